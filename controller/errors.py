@@ -1,0 +1,17 @@
+"""Error types that carry a one-line, user-facing message naming what is wrong and where."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """Bad user input (config, CSV, calibration file, HTTP body). ``str()`` is one line.
+
+    CLIs turn it into exit code 2; nothing is written when it is raised.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+class ConfigError(InputError):
+    """An invalid setting; the message names the setting."""
