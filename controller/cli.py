@@ -15,11 +15,23 @@ from controller import __version__
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "predict": ("controller.commands.predict", "what-if table: speedup vs arrival rate and draft length"),
-    "calibrate": ("controller.commands.calibrate", "fit a calibration file from a micro-benchmark CSV"),
+    "predict": (
+        "controller.commands.predict",
+        "what-if table: speedup vs arrival rate and draft length",
+    ),
+    "calibrate": (
+        "controller.commands.calibrate",
+        "fit a calibration file from a micro-benchmark CSV",
+    ),
     "run": ("controller.commands.run", "run the controller daemon next to one vLLM server"),
-    "launch": ("controller.launcher.cli", "run vLLM as a child process with an admin API to toggle SD"),
-    "bench": ("controller.launcher.bench", "micro-benchmark a running vLLM server into a calibration CSV"),
+    "launch": (
+        "controller.launcher.cli",
+        "run vLLM as a child process with an admin API to toggle SD",
+    ),
+    "bench": (
+        "controller.launcher.bench",
+        "micro-benchmark a running vLLM server into a calibration CSV",
+    ),
     "demo": ("controller.sim.demo", "simulated day: the controller vs always-on and always-off"),
     "simulate": ("controller.sim.serve", "serve a simulated vLLM (/metrics + admin API) over HTTP"),
     "backtest": ("controller.sim.backtest", "replay history through the decision logic"),
@@ -58,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     if getattr(args, "_missing", None):
-        print(f"sd-controller: command {args.command!r} is not available in this build", file=sys.stderr)
+        print(
+            f"sd-controller: command {args.command!r} is not available in this build",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     return int(args._run(args) or 0)
 
