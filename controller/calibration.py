@@ -360,12 +360,19 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float | None:
     return 1.0 - float(np.sum((y - pred) ** 2)) / ss_tot
 
 
+def _weights(y: np.ndarray) -> np.ndarray:
+    # Timing noise is relative (a 2 s step jitters more than a 2 ms one): weight by 1/y so a
+    # few long prefill steps cannot drown the intercept that the short steps pin down.
+    return 1.0 / np.maximum(y, 1e-9)
+
+
 def _nonneg_lstsq(cols: dict[str, np.ndarray], y: np.ndarray, free: set[str]) -> dict[str, float]:
-    """Least squares with the columns not in ``free`` kept >= 0 (drop negatives, refit)."""
+    """Weighted least squares, the columns not in ``free`` kept >= 0 (drop negatives, refit)."""
     active = [k for k, v in cols.items() if np.ptp(v) > 0 or k == "intercept"]
+    w = _weights(y)
     while True:
-        a = np.column_stack([cols[k] for k in active])
-        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        a = np.column_stack([cols[k] for k in active]) * w[:, None]
+        coef, *_ = np.linalg.lstsq(a, y * w, rcond=None)
         negative = [k for k, c in zip(active, coef, strict=True) if c < 0 and k not in free]
         if not negative:
             out = dict.fromkeys(cols, 0.0)
@@ -399,7 +406,7 @@ def _fit_once(
     if knee is not None and coef["slope"] + coef["knee"] < 0:
         coef["knee"] = -coef["slope"]
     pred = sum(coef[k] * cols[k] for k in cols)
-    sse = float(np.sum((y - pred) ** 2))
+    sse = float(np.sum(((y - pred) * _weights(y)) ** 2))
     spec = PhaseSpec(
         intercept_s=max(coef["intercept"], 0.0),
         slope_s_per_token=coef["slope"],
@@ -409,6 +416,29 @@ def _fit_once(
     return _Fit(spec, sse)
 
 
+def _best_knee(
+    x: np.ndarray, x_raw: np.ndarray, z: np.ndarray, y: np.ndarray, distinct: np.ndarray, use_ctx: bool
+) -> _Fit:
+    """Best single knee: scan the measured token counts, then refine between neighbours.
+
+    The knee rarely sits on a measured point; the SSE is smooth in the knee position between
+    two measured points, so a golden-section search there finds it.
+    """
+    inner = distinct[2:-2]  # at least two distinct points on each side
+    scans = [(_fit_once(x, x_raw, z, y, float(k), use_ctx), i) for i, k in enumerate(inner, start=2)]
+    best, i = min(scans, key=lambda t: t[0].sse)
+    lo, hi = float(distinct[i - 1]), float(distinct[i + 1])
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(40):
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        if _fit_once(x, x_raw, z, y, a, use_ctx).sse < _fit_once(x, x_raw, z, y, b, use_ctx).sse:
+            hi = b
+        else:
+            lo = a
+    refined = _fit_once(x, x_raw, z, y, 0.5 * (lo + hi), use_ctx)
+    return refined if refined.sse < best.sse else best
+
+
 def _bic(n: int, sse: float, params: int) -> float:
     return n * math.log(max(sse, 1e-300) / n) + params * math.log(n)
 
@@ -416,7 +446,7 @@ def _bic(n: int, sse: float, params: int) -> float:
 def fit_phase(
     rows: Sequence[BenchRow], moe: Moe | None = None, where: str = "bench"
 ) -> PhaseSpec:
-    """Fit one phase: a + b·x (+ c·z) by least squares, with one knee where a line won't do.
+    """Fit one phase: a + b·x (+ c·z) by weighted least squares, with one knee where a line won't do.
 
     x = batch_size·tokens_per_seq (MoE: effective tokens), z = batch_size·context_len. The knee
     is kept only when it lowers the BIC by more than 10 (strong evidence), so noise on a straight
@@ -446,12 +476,10 @@ def fit_phase(
     best_bic = _bic(n, best.sse, base_params)
     distinct = np.unique(x)
     if moe is None and distinct.size >= 5:
-        linear_bic = best_bic
-        for knee in distinct[2:-2]:
-            cand = _fit_once(x, x_raw, z, y, float(knee), use_ctx)
-            bic = _bic(n, cand.sse, base_params + 2)
-            if bic < best_bic and bic < linear_bic - 10.0:
-                best, best_bic = cand, bic
+        knee_fit = _best_knee(x, x_raw, z, y, distinct, use_ctx)
+        bic = _bic(n, knee_fit.sse, base_params + 2)
+        if bic < best_bic - 10.0:
+            best, best_bic = knee_fit, bic
     if best.spec.knees:
         notes.append(f"compute knee at {best.spec.knees[0].at_tokens:g} tokens per step")
     cost = best.spec.step_cost()

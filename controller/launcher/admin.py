@@ -117,15 +117,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         status = HTTPStatus.ACCEPTED if outcome.changed else HTTPStatus.OK
         if not outcome.changed:
-            log.info("switch_noop", applied=outcome.snapshot["applied"], **request.notes)
+            log.info("switch_noop", applied=outcome.snapshot["applied"], **request.log_fields())
         self._send(status, {"changed": outcome.changed, **outcome.snapshot})
 
     def _authorized(self) -> bool:
         if token_matches(self.server.token, self.headers.get("Authorization")):
             return True
-        log.warning(
-            "admin_unauthorized", path=self.path.split("?", 1)[0], client=self.client_address[0]
-        )
+        log.warning("admin_unauthorized", path=self.path.split("?", 1)[0], client=self.client_address[0])
         self._send(
             HTTPStatus.UNAUTHORIZED,
             {"error": "missing or wrong bearer token"},
@@ -139,16 +137,12 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             length = -1
         if length < 0 or length > MAX_BODY_BYTES:
-            self._send(
-                HTTPStatus.BAD_REQUEST, {"error": f"Content-Length must be 0..{MAX_BODY_BYTES}"}
-            )
+            self._send(HTTPStatus.BAD_REQUEST, {"error": f"Content-Length must be 0..{MAX_BODY_BYTES}"})
             self.close_connection = True
             return None
         return self.rfile.read(length) if length else b""
 
-    def _send(
-        self, status: HTTPStatus, payload: dict[str, Any], headers: dict[str, str] | None = None
-    ) -> None:
+    def _send(self, status: HTTPStatus, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         data = (json.dumps(payload) + "\n").encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")

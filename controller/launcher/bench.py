@@ -185,15 +185,11 @@ class Client:
         }
         usage = self._post("/v1/completions", body).get("usage") or {}
         if usage.get("completion_tokens") != max_tokens:
-            raise BenchError(
-                f"asked for {max_tokens} tokens, server generated {usage.get('completion_tokens')}"
-            )
+            raise BenchError(f"asked for {max_tokens} tokens, server generated {usage.get('completion_tokens')}")
 
     def metric(self, pattern: re.Pattern[str]) -> float | None:
         try:
-            r = self.session().get(
-                self.url + "/metrics", headers=self.headers, timeout=self.timeout_s
-            )
+            r = self.session().get(self.url + "/metrics", headers=self.headers, timeout=self.timeout_s)
         except requests.RequestException:
             return None
         if r.status_code != 200:
@@ -202,9 +198,7 @@ class Client:
         return sum(values) if values else None
 
 
-def timed_batch(
-    pool: ThreadPoolExecutor, client: Client, prompts: list[list[int]], max_tokens: int
-) -> float:
+def timed_batch(pool: ThreadPoolExecutor, client: Client, prompts: list[list[int]], max_tokens: int) -> float:
     """Wall seconds for len(prompts) concurrent requests, released together by a barrier."""
     barrier = threading.Barrier(len(prompts) + 1)
 
@@ -247,9 +241,7 @@ def run_bench(client: Client, plan: BenchPlan, progress=None, warn=None) -> list
         for batch in plan.batch_sizes:
             for it in range(plan.warmup + plan.iterations):
                 recorded = it - plan.warmup
-                prompts = [
-                    [rng.choice(pool_ids) for _ in range(plan.prompt_tokens)] for _ in range(batch)
-                ]
+                prompts = [[rng.choice(pool_ids) for _ in range(plan.prompt_tokens)] for _ in range(batch)]
                 t_prefill = timed_batch(pool, client, prompts, 1)
                 if recorded >= 0 and "prefill" in plan.phases:
                     rows.append(
@@ -265,9 +257,7 @@ def run_bench(client: Client, plan: BenchPlan, progress=None, warn=None) -> list
                 if decode_phase is None:
                     continue
                 # Fresh prompts: a prefix cached by the prefill run would make this one cheaper.
-                prompts = [
-                    [rng.choice(pool_ids) for _ in range(plan.prompt_tokens)] for _ in range(batch)
-                ]
+                prompts = [[rng.choice(pool_ids) for _ in range(plan.prompt_tokens)] for _ in range(batch)]
                 accepted_before = client.metric(ACCEPTED_RE) if decode_phase == "verify" else None
                 t_generate = timed_batch(pool, client, prompts, plan.gen_tokens)
                 if decode_phase == "verify":
@@ -286,9 +276,7 @@ def run_bench(client: Client, plan: BenchPlan, progress=None, warn=None) -> list
                             "prefill; step time clamped to 0 (warm-up noise?)"
                         )
                     latency = decode_step_s(t_generate, t_prefill, steps)
-                    rows.append(
-                        Row(decode_phase, batch, tokens_per_seq, context_len, recorded, latency)
-                    )
+                    rows.append(Row(decode_phase, batch, tokens_per_seq, context_len, recorded, latency))
             if progress is not None:
                 progress(batch)
     return rows
@@ -306,27 +294,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of prefill, target (server without SD), verify (server with SD)",
     )
     parser.add_argument("--batch-sizes", default="1,2,4,8", help="comma list (default 1,2,4,8)")
-    parser.add_argument(
-        "--prompt-tokens", type=int, default=64, help="prompt length P (default 64)"
-    )
-    parser.add_argument(
-        "--gen-tokens", type=int, default=32, help="generated tokens N (default 32)"
-    )
-    parser.add_argument(
-        "--draft-length", type=int, default=4, help="γ of the SD server, for verify rows"
-    )
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length P (default 64)")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="generated tokens N (default 32)")
+    parser.add_argument("--draft-length", type=int, default=4, help="γ of the SD server, for verify rows")
     parser.add_argument(
         "--iterations",
         type=int,
         default=14,
         help="recorded iterations per batch size (default 14: the calibrator drops the first 10)",
     )
-    parser.add_argument(
-        "--warmup", type=int, default=0, help="extra unrecorded iterations first (default 0)"
-    )
-    parser.add_argument(
-        "--timeout-s", type=float, default=120.0, help="per-request timeout (default 120)"
-    )
+    parser.add_argument("--warmup", type=int, default=0, help="extra unrecorded iterations first (default 0)")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (default 120)")
     parser.add_argument("--api-key-env", help="env var holding vLLM's --api-key, if it has one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-o", "--output", required=True, help="CSV file to write")
@@ -363,9 +341,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench: batch {batch} done at {time.monotonic() - started:.1f} s", file=sys.stderr)
 
     try:
-        rows = run_bench(
-            client, plan, progress, warn=lambda m: print(f"bench: {m}", file=sys.stderr)
-        )
+        rows = run_bench(client, plan, progress, warn=lambda m: print(f"bench: {m}", file=sys.stderr))
     except BenchError as exc:
         print(f"sd-controller bench: {exc}", file=sys.stderr)
         return EXIT_RUNTIME

@@ -27,12 +27,8 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--admin-host", default="127.0.0.1", help="admin API bind address (default 127.0.0.1)"
-    )
-    parser.add_argument(
-        "--admin-port", type=int, default=8091, help="admin API port (default 8091; 0 = any)"
-    )
+    parser.add_argument("--admin-host", default="127.0.0.1", help="admin API bind address (default 127.0.0.1)")
+    parser.add_argument("--admin-port", type=int, default=8091, help="admin API port (default 8091; 0 = any)")
     parser.add_argument(
         "--admin-token-file",
         help=f"file holding the admin bearer token (else env {TOKEN_ENV})",
@@ -53,22 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="./sd-launcher-state.json",
         help="where the applied setting is persisted (default ./sd-launcher-state.json)",
     )
-    parser.add_argument(
-        "--vllm-url", help="base URL to probe (default: from --host/--port of the vLLM line)"
-    )
+    parser.add_argument("--vllm-url", help="base URL to probe (default: from --host/--port of the vLLM line)")
     parser.add_argument(
         "--drain-s",
         type=float,
         default=30.0,
-        help="grace after SIGTERM before SIGKILL, unless the vLLM line sets --shutdown-timeout "
-        "(default 30)",
+        help="grace after SIGTERM before SIGKILL, unless the vLLM line sets --shutdown-timeout (default 30)",
     )
     parser.add_argument(
         "--ready-timeout-s",
         type=float,
         default=600.0,
-        help="a start not ready (/health and /metrics 200) within this is rolled back "
-        "(default 600)",
+        help="a start not ready (/health and /metrics 200) within this is rolled back (default 600)",
     )
     parser.add_argument(
         "--max-crash-restarts",
@@ -82,9 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="first crash-restart delay, doubled each attempt up to 60 s (default 1)",
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
         "vllm_argv",
         nargs=argparse.REMAINDER,
@@ -98,9 +88,7 @@ def _read_token(args: argparse.Namespace) -> str | None:
         try:
             token = Path(args.admin_token_file).read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise ConfigError(
-                f"--admin-token-file {args.admin_token_file}: {exc.strerror}"
-            ) from None
+            raise ConfigError(f"--admin-token-file {args.admin_token_file}: {exc.strerror}") from None
         if not token:
             raise ConfigError(f"--admin-token-file {args.admin_token_file}: file is empty")
         return token
@@ -109,9 +97,7 @@ def _read_token(args: argparse.Namespace) -> str | None:
         return token
     if args.insecure_no_token:
         return None
-    raise ConfigError(
-        f"no admin token: set {TOKEN_ENV} or --admin-token-file (or --insecure-no-token)"
-    )
+    raise ConfigError(f"no admin token: set {TOKEN_ENV} or --admin-token-file (or --insecure-no-token)")
 
 
 def _is_loopback(host: str) -> bool:
@@ -126,9 +112,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        raise ConfigError(
-            "missing vLLM command line: sd-controller launch [options] -- python -m vllm..."
-        )
+        raise ConfigError("missing vLLM command line: sd-controller launch [options] -- python -m vllm...")
     for name in ("drain_s", "ready_timeout_s", "crash_backoff_s"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
@@ -169,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
         server = AdminServer((args.admin_host, args.admin_port), supervisor, token)
     except OSError as exc:
         print(
-            f"sd-controller launch: cannot bind admin API {args.admin_host}:{args.admin_port}: "
-            f"{exc.strerror or exc}",
+            f"sd-controller launch: cannot bind admin API {args.admin_host}:{args.admin_port}: {exc.strerror or exc}",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -193,9 +176,7 @@ def run(args: argparse.Namespace) -> int:
         stop_grace_s=options.stop_grace_s,
     )
     result: dict[str, int] = {}
-    worker = threading.Thread(
-        target=lambda: result.update(code=supervisor.run()), name="supervisor"
-    )
+    worker = threading.Thread(target=lambda: result.update(code=supervisor.run()), name="supervisor")
     worker.start()
     # join() with a timeout keeps the main thread responsive to signals.
     while worker.is_alive():

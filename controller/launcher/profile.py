@@ -220,9 +220,7 @@ def vllm_url(argv: list[str] | tuple[str, ...]) -> str:
         try:
             port = int(port_text)
         except ValueError:
-            raise InputError(
-                f"--port in the vLLM command line: not an integer: {port_text!r}"
-            ) from None
+            raise InputError(f"--port in the vLLM command line: not an integer: {port_text!r}") from None
     return f"http://{host}:{port}"
 
 
@@ -234,9 +232,7 @@ def shutdown_timeout_s(argv: list[str] | tuple[str, ...]) -> float | None:
     try:
         value = float(text)
     except ValueError:
-        raise InputError(
-            f"--shutdown-timeout in the vLLM command line: not a number: {text!r}"
-        ) from None
+        raise InputError(f"--shutdown-timeout in the vLLM command line: not a number: {text!r}") from None
     if value < 0:
         raise InputError(f"--shutdown-timeout in the vLLM command line: negative: {text!r}")
     return value

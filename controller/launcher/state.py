@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,10 @@ class SwitchRequest:
     num_speculative_tokens: int | None
     notes: dict[str, str]
 
+    def log_fields(self) -> dict[str, str]:
+        """The notes as structlog keys (``note_<key>``), which cannot clash with its own."""
+        return {"note_" + re.sub(r"\W", "_", key): value for key, value in self.notes.items()}
+
 
 def parse_request(body: bytes) -> SwitchRequest:
     """Validate a POST /admin/speculative body; InputError (one line) says what is wrong.
@@ -63,19 +68,10 @@ def parse_request(body: bytes) -> SwitchRequest:
     tokens = obj.get("num_speculative_tokens")
     if tokens is not None:
         if isinstance(tokens, bool) or not isinstance(tokens, int):
-            raise InputError(
-                f"'num_speculative_tokens' must be an integer, got {type(tokens).__name__}"
-            )
+            raise InputError(f"'num_speculative_tokens' must be an integer, got {type(tokens).__name__}")
         if not MIN_SPEC_TOKENS <= tokens <= MAX_SPEC_TOKENS:
-            raise InputError(
-                f"'num_speculative_tokens' must be in {MIN_SPEC_TOKENS}..{MAX_SPEC_TOKENS}, "
-                f"got {tokens}"
-            )
-    notes = {
-        str(k)[:64]: _short(v)
-        for k, v in obj.items()
-        if k not in ("enabled", "num_speculative_tokens")
-    }
+            raise InputError(f"'num_speculative_tokens' must be in {MIN_SPEC_TOKENS}..{MAX_SPEC_TOKENS}, got {tokens}")
+    notes = {str(k)[:64]: _short(v) for k, v in obj.items() if k not in ("enabled", "num_speculative_tokens")}
     return SwitchRequest(enabled, tokens, notes)
 
 
@@ -116,9 +112,7 @@ def _config_from_json(obj: Any) -> SdConfig:
         raise ValueError("'applied.enabled' missing or not a bool")
     tokens = applied.get("num_speculative_tokens")
     if tokens is not None and (
-        isinstance(tokens, bool)
-        or not isinstance(tokens, int)
-        or not MIN_SPEC_TOKENS <= tokens <= MAX_SPEC_TOKENS
+        isinstance(tokens, bool) or not isinstance(tokens, int) or not MIN_SPEC_TOKENS <= tokens <= MAX_SPEC_TOKENS
     ):
         raise ValueError("'applied.num_speculative_tokens' is not an integer in 1..64")
     return SdConfig(applied["enabled"], tokens if applied["enabled"] else None)

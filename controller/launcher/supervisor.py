@@ -143,7 +143,7 @@ class Supervisor:
             "switch_requested",
             applied=snap["applied"],
             desired=target.to_json(),
-            **{f"note_{k}": v for k, v in request.notes.items()},
+            **request.log_fields(),
         )
         self._wake.set()
         return SwitchOutcome(True, snap)
@@ -188,6 +188,8 @@ class Supervisor:
     def _start(self, config: SdConfig, phase: str) -> bool:
         """Start a child for ``config`` and wait until it serves; False (error kept) if not."""
         argv = build_argv(self.profile, config)
+        if self._stop.is_set():
+            return False  # shutting down: starting a vLLM only to stop it wastes a minute
         with self._lock:
             self._phase = phase
             self._desired = config
@@ -200,9 +202,7 @@ class Supervisor:
         with self._lock:
             self._child = child
         try:
-            waited_s = child.wait_ready(
-                self.options.vllm_url, self.options.ready_timeout_s, self._stop.is_set
-            )
+            waited_s = child.wait_ready(self.options.vllm_url, self.options.ready_timeout_s, self._stop.is_set)
         except NotReady as exc:
             self._set_error(str(exc))
             child.stop(self.options.stop_grace_s)
@@ -257,15 +257,12 @@ class Supervisor:
                 with self._lock:
                     self._phase = FAILED
                     self._last_error = (
-                        f"gave up after {self.options.max_crash_restarts} crash restarts: "
-                        f"{self._last_error}"
+                        f"gave up after {self.options.max_crash_restarts} crash restarts: {self._last_error}"
                     )
                     self._gave_up = True
                 log.error("crash_recovery_gave_up", error=self._last_error)
                 return False
-            delay_s = backoff_s(
-                attempt, self.options.crash_backoff_s, self.options.crash_backoff_max_s
-            )
+            delay_s = backoff_s(attempt, self.options.crash_backoff_s, self.options.crash_backoff_max_s)
             log.warning("crash_restart", attempt=attempt, delay_s=delay_s, error=self._last_error)
             if self._stop.wait(delay_s):
                 return True

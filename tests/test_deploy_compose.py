@@ -1,0 +1,63 @@
+"""The compose example is wired consistently: services, ports, mounts and scrape targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+COMPOSE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "compose"
+COMPOSE = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+
+
+def test_services() -> None:
+    assert set(SERVICES) == {"simulator", "controller", "prometheus", "grafana"}
+    assert SERVICES["simulator"]["command"] == ["simulate", "--port", "8000"]
+    assert SERVICES["controller"]["command"] == ["run"]
+    assert SERVICES["simulator"]["image"] == SERVICES["controller"]["image"]
+
+
+def test_controller_points_at_the_simulator() -> None:
+    env = SERVICES["controller"]["environment"]
+    assert env["SD_CONTROLLER_VLLM_METRICS_URL"] == "http://simulator:8000/metrics"
+    assert env["SD_CONTROLLER_HOOK_URL"].startswith("http://simulator:8000")
+    assert all(k.startswith("SD_CONTROLLER_") for k in env)
+    # The token the controller reads is the one the simulator's admin API expects.
+    secret_file = COMPOSE_DIR / COMPOSE["secrets"]["sd_admin_token"]["file"]
+    assert env["SD_CONTROLLER_HOOK_TOKEN_FILE"] == "/run/secrets/sd_admin_token"
+    token = secret_file.read_text().strip()
+    assert SERVICES["simulator"]["environment"]["SD_LAUNCHER_ADMIN_TOKEN"] == token
+
+
+def test_bind_mounts_exist() -> None:
+    for name, service in SERVICES.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (COMPOSE_DIR / source).exists(), f"{name}: {source} does not exist"
+
+
+def test_prometheus_scrapes_the_compose_services() -> None:
+    command = SERVICES["prometheus"]["command"]
+    config_arg = next(c for c in command if c.startswith("--config.file="))
+    mount = next(v for v in SERVICES["prometheus"]["volumes"] if v.startswith("../prometheus"))
+    host_dir, container_dir = mount.split(":")[:2]
+    config_path = COMPOSE_DIR / host_dir / Path(config_arg.split("=", 1)[1]).relative_to(container_dir)
+    config = yaml.safe_load(config_path.read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert targets == {"simulator:8000", "controller:9464"}
+    for rule_file in config["rule_files"]:
+        assert (config_path.parent / rule_file).exists()
+    # Both targets carry the pod label the dashboard and rules group by.
+    for job in config["scrape_configs"]:
+        assert job["static_configs"][0]["labels"]["pod"] == "replica-0"
+
+
+def test_grafana_is_provisioned_with_the_dashboard() -> None:
+    volumes = SERVICES["grafana"]["volumes"]
+    assert any(v.startswith("../grafana/dashboards:") for v in volumes)
+    assert any(v.startswith("../grafana/provisioning:") for v in volumes)
+    provider = yaml.safe_load((COMPOSE_DIR / "../grafana/provisioning/dashboards/sd-controller.yml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    assert any(v.split(":")[1] == path for v in volumes)

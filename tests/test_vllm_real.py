@@ -1,0 +1,219 @@
+"""The launcher against a real vLLM (CPU build, tiny random Llama): SD on, off, on again.
+
+Needs ``scripts/setup-vllm.sh`` (venv at $SD_VLLM_VENV, model at $SD_TINY_MODEL_DIR);
+skipped otherwise. Each vLLM start takes ~65–110 s here, so the test takes ~5 minutes.
+Run: ``pytest -m vllm tests/test_vllm_real.py -s`` (``-s`` shows the measured restarts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path.home() / ".cache" / "sd-controller"
+VENV = Path(os.environ.get("SD_VLLM_VENV", CACHE / "vllm-venv"))
+MODEL = Path(os.environ.get("SD_TINY_MODEL_DIR", CACHE / "tiny-llama"))
+VLLM_PYTHON = VENV / "bin" / "python"
+TOKEN = "real-vllm-test-token"
+START_TIMEOUT_S = 420
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+SD_SERIES = "vllm:spec_decode_num_drafts_total"
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists() or not (MODEL / "config.json").exists(),
+        reason=f"needs the vLLM venv ({VLLM_PYTHON}) and the tiny model ({MODEL}): "
+        "run scripts/setup-vllm.sh",
+    ),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def test_launcher_toggles_sd_on_real_vllm(tmp_path):
+    admin_port, vllm_port = free_port(), free_port()
+    admin = f"http://127.0.0.1:{admin_port}"
+    vllm = f"http://127.0.0.1:{vllm_port}"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    http = requests.Session()
+    http.trust_env = False
+    env = {
+        **os.environ,
+        "SD_LAUNCHER_ADMIN_TOKEN": TOKEN,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    vllm_argv = [
+        str(VLLM_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(MODEL),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "1024",
+        "--dtype",
+        "bfloat16",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(vllm_port),
+        "--speculative-config",
+        json.dumps(NGRAM),
+    ]
+    log_path = tmp_path / "launcher.log"
+    with log_path.open("wb") as log:
+        launcher = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "controller.cli",
+                "launch",
+                "--admin-port",
+                str(admin_port),
+                "--state-file",
+                str(tmp_path / "state.json"),
+                "--ready-timeout-s",
+                str(START_TIMEOUT_S),
+                "--",
+                *vllm_argv,
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    child_pids: set[int] = set()
+
+    def status() -> dict | None:
+        assert launcher.poll() is None, f"launcher exited: {log_path.read_text()[-3000:]}"
+        try:
+            r = http.get(admin + "/admin/status", headers=auth, timeout=5)
+        except requests.ConnectionError:
+            return None
+        s = r.json()
+        if s["child_pid"]:
+            child_pids.add(s["child_pid"])
+        return s
+
+    def ready_with(enabled: bool) -> dict | None:
+        s = status()
+        if s and s["phase"] == "failed":
+            raise AssertionError(f"switch failed: {s['last_error']}")
+        return s if s and s["phase"] == "ready" and s["applied"]["enabled"] is enabled else None
+
+    def complete(n: int = 3) -> None:
+        for i in range(n):
+            r = http.post(
+                vllm + "/v1/completions",
+                timeout=60,
+                json={
+                    "model": "tiny",
+                    "prompt": f"the model token draft {i} the model token draft",
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 16
+
+    def metrics() -> str:
+        r = http.get(vllm + "/metrics", timeout=10)
+        assert r.status_code == 200
+        return r.text
+
+    def switch(enabled: bool) -> float:
+        started = time.monotonic()
+        r = http.post(
+            admin + "/admin/speculative",
+            headers=auth,
+            timeout=10,
+            json={"enabled": enabled, "reason": "test_vllm_real"},
+        )
+        assert r.status_code == 202, r.text
+        assert r.json()["phase"] == "restarting"
+        assert status()["phase"] == "restarting"
+        wait_until(lambda: ready_with(enabled), START_TIMEOUT_S + 60, f"SD {enabled} ready")
+        return time.monotonic() - started
+
+    try:
+        t0 = time.monotonic()
+        wait_until(lambda: ready_with(True), START_TIMEOUT_S, "initial start with SD")
+        first_start_s = time.monotonic() - t0
+
+        complete()
+        text = metrics()
+        assert SD_SERIES in text
+        drafts = [
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith(SD_SERIES)
+        ]
+        assert sum(drafts) > 0
+
+        off_s = switch(False)
+        assert SD_SERIES not in metrics()
+        complete()
+
+        on_s = switch(True)
+        assert SD_SERIES in metrics()
+        complete()
+
+        final = status()
+        assert final["restart_count"] == 2
+        assert len(final["restart_durations_s"]) == 2
+        print(
+            f"\nreal vLLM: first start {first_start_s:.1f} s; SD off restart {off_s:.1f} s; "
+            f"SD on restart {on_s:.1f} s; launcher-measured {final['restart_durations_s']}"
+        )
+        child_pid = final["child_pid"]
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=90) == 0
+        with pytest.raises(ProcessLookupError):
+            os.killpg(child_pid, 0)  # the whole vLLM process group is gone
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            try:
+                launcher.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait(timeout=30)
+        for pid in child_pids:  # never leave a vLLM behind, whatever failed
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        http.close()
