@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -103,21 +104,25 @@ def build(out_dir: Path, seed: int, vocab_size: int) -> None:
         + "\n"
     )
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"tiny llama: {n_params} parameters, vocab {len(fast)}, written to {out_dir}")
+    print(f"tiny llama: {n_params} parameters, vocab {len(fast)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    default_out = os.environ.get(
-        "SD_TINY_MODEL_DIR", str(Path.home() / ".cache" / "sd-controller" / "tiny-llama")
-    )
+    default_out = os.environ.get("SD_TINY_MODEL_DIR", str(Path.home() / ".cache" / "sd-controller" / "tiny-llama"))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out", default=default_out, help=f"output directory (default {default_out})"
-    )
+    parser.add_argument("--out", default=default_out, help=f"output directory (default {default_out})")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--vocab-size", type=int, default=2048)
     args = parser.parse_args(argv)
-    build(Path(args.out), args.seed, args.vocab_size)
+    out = Path(args.out)
+    # Build next to the target and rename: an interrupted build never looks finished
+    # (setup-vllm.sh skips the build when config.json exists).
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(tmp, args.seed, args.vocab_size)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"tiny model ready in {out}")
     return 0
 
 

@@ -29,10 +29,7 @@ def prometheus_bin() -> str:
     """
     binary = prometheus_binary()
     if binary is None:
-        pytest.skip(
-            f"prometheus binary not found on PATH or in ${ENV_BIN} "
-            "(install: apt-get install -y prometheus)"
-        )
+        pytest.skip(f"prometheus binary not found on PATH or in ${ENV_BIN} (install: apt-get install -y prometheus)")
     return binary
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 import yaml
 
 COMPOSE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "compose"
@@ -61,3 +63,17 @@ def test_grafana_is_provisioned_with_the_dashboard() -> None:
     provider = yaml.safe_load((COMPOSE_DIR / "../grafana/provisioning/dashboards/sd-controller.yml").read_text())
     path = provider["providers"][0]["options"]["path"]
     assert any(v.split(":")[1] == path for v in volumes)
+
+
+def test_controller_environment_loads_as_settings(monkeypatch) -> None:
+    settings_mod = pytest.importorskip("controller.settings", reason="controller.settings not yet")
+    for name in [k for k in os.environ if k.startswith(settings_mod.ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+    env = SERVICES["controller"]["environment"]
+    for key, value in env.items():
+        # compose interpolation: ${VAR:-default} -> default
+        if isinstance(value, str) and value.startswith("${") and ":-" in value:
+            value = value.split(":-", 1)[1].rstrip("}")
+        monkeypatch.setenv(key, str(value))
+    settings = settings_mod.load_settings()
+    assert settings.vllm_metrics_url == "http://simulator:8000/metrics"

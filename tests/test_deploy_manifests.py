@@ -4,6 +4,7 @@ together the way the controller and the launcher expect."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,7 @@ def test_python_fallback_renders_what_kubectl_renders() -> None:
                           sort_keys=True)  # fmt: skip
         return re.sub(r"(sd-controller-(settings|calibration))-[a-z0-9]{10}", r"\1", text)
 
-    assert normalise(kustomize.render_in_python(BASE)) == normalise(
-        kustomize.render_with_kubectl(BASE)
-    )
+    assert normalise(kustomize.render_in_python(BASE)) == normalise(kustomize.render_with_kubectl(BASE))
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -168,9 +167,7 @@ def test_controller_settings_point_at_what_the_pod_provides(docs) -> None:
 
     token = volume_for(data["SD_CONTROLLER_HOOK_TOKEN_FILE"])
     assert token["secret"]["secretName"] == "sd-admin-token"
-    assert [i["path"] for i in token["secret"]["items"]] == [
-        Path(data["SD_CONTROLLER_HOOK_TOKEN_FILE"]).name
-    ]
+    assert [i["path"] for i in token["secret"]["items"]] == [Path(data["SD_CONTROLLER_HOOK_TOKEN_FILE"]).name]
     calibration = volume_for(data["SD_CONTROLLER_CALIBRATION_FILE"])
     cal_map = next(
         d for d in by_kind(docs, "ConfigMap")
@@ -186,29 +183,42 @@ def test_controller_settings_point_at_what_the_pod_provides(docs) -> None:
     assert ctl["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "sd-metrics"}
 
 
-def test_settings_are_known_to_the_controller(docs) -> None:
+def test_settings_load_in_the_controller(docs, monkeypatch) -> None:
+    """The ConfigMap, as the sidecar's environment, is a valid Settings for the controller."""
     settings_mod = pytest.importorskip("controller.settings", reason="controller.settings not yet")
-    model = next(
-        (
-            obj
-            for obj in vars(settings_mod).values()
-            if isinstance(obj, type)
-            and hasattr(obj, "model_fields")
-            and obj.model_config.get("env_prefix", "").upper() == "SD_CONTROLLER_"
-        ),
-        None,
-    )
-    if model is None:
-        pytest.skip("no pydantic-settings class with env_prefix SD_CONTROLLER_")
-    known = {f"SD_CONTROLLER_{name.upper()}" for name in model.model_fields}
+    for name in [k for k in os.environ if k.startswith(settings_mod.ENV_PREFIX)]:
+        monkeypatch.delenv(name)
     data = configmap(docs, "sd-controller-settings")["data"]
+    known = {f"{settings_mod.ENV_PREFIX}{name.upper()}" for name in settings_mod.Settings.model_fields}
     assert set(data) <= known, f"unknown settings: {sorted(set(data) - known)}"
+    for key, value in data.items():
+        monkeypatch.setenv(key, value)
+    settings = settings_mod.load_settings()
+    assert settings.hook_type.value == "launcher"
+    assert settings.exporter_port == 9464
+    assert str(settings.state_file) == "/var/lib/sd-controller/state.json"
 
 
 def test_calibration_in_the_configmap_is_a_valid_calibration_file(docs) -> None:
     calibration = pytest.importorskip("controller.calibration")
     text = configmap(docs, "sd-controller-calibration")["data"]["calibration.json"]
     calibration.parse(text, where="deploy/kubernetes/base/calibration.json")
+
+
+def test_settings_agree_with_the_pod(docs) -> None:
+    """Values that live in two places (settings.env and the pod spec) must agree."""
+    data = configmap(docs, "sd-controller-settings")["data"]
+    vllm = container(docs, "vllm")
+    argv = vllm["command"] + vllm["args"]
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    spec = json.loads(next(a for a in argv if a.startswith("--speculative-config=")).split("=", 1)[1])
+    assert int(data["SD_CONTROLLER_DRAFT_LENGTH"]) == spec["num_speculative_tokens"]
+    assert int(data["SD_CONTROLLER_REPLICAS"]) == one(docs, "Deployment")["spec"]["replicas"]
+    served = next(a for a in argv if a.startswith("--served-model-name=")).split("=", 1)[1]
+    assert served.replace("$(SERVED_MODEL_NAME)", env["SERVED_MODEL_NAME"]) == data["SD_CONTROLLER_VLLM_MODEL_NAME"]
+    # A switch the launcher may still complete (drain + start-up) is not declared failed.
+    budget = float(launcher_option(docs, "--drain-s")) + float(launcher_option(docs, "--ready-timeout-s"))
+    assert float(data["SD_CONTROLLER_PENDING_TIMEOUT_S"]) > budget
 
 
 def test_service_pdb_and_podmonitor_select_the_pods(docs) -> None:
@@ -241,3 +251,21 @@ def test_secret_token_is_referenced_not_inlined_in_the_pod(docs) -> None:
     pod_text = yaml.safe_dump(one(docs, "Deployment"))
     token = one(docs, "Secret")["stringData"]["token"]
     assert token not in pod_text
+
+
+@pytest.mark.skipif(kustomize.kubectl_binary() is None, reason="kubectl not installed")
+def test_the_overlay_in_the_deployment_guide_renders(tmp_path: Path) -> None:
+    guide = (ROOT / "docs" / "deployment.md").read_text()
+    overlay_text = re.search(r"cat > kustomization.yaml <<'EOF'\n(.*?)\nEOF", guide, re.S)
+    assert overlay_text, "no overlay example in docs/deployment.md"
+    (tmp_path / "base").symlink_to(BASE)
+    overlay = tmp_path / "overlays" / "prod"
+    overlay.mkdir(parents=True)
+    (overlay / "kustomization.yaml").write_text(overlay_text.group(1))
+    (overlay / "calibration.json").write_text((BASE / "calibration.json").read_text())
+    docs = kustomize.render_with_kubectl(overlay)
+    images = {c["image"] for c in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]}
+    assert images == {"ghcr.io/you/sd-controller:0.1.0", "ghcr.io/you/vllm-sd-launcher:0.1.0"}
+    secret = one(docs, "Secret")
+    assert "stringData" not in secret and secret["data"]["token"]  # replaced, base64
+    assert len(by_kind(docs, "ConfigMap")) == 2

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import shlex
 import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -121,3 +124,49 @@ def test_copied_paths_exist_and_are_not_dockerignored() -> None:
                 assert (ROOT / src).exists(), f"COPY {src}: no such path"
     assert ignored("tests/test_x.py") and ignored(".git/config") and ignored("deploy/x")
     assert not ignored("controller/cli.py")
+
+
+def _can_build_wheels_offline() -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    major_minor = tuple(int(p) for p in setuptools.__version__.split(".")[:2])
+    return importlib.util.find_spec("wheel") is not None or major_minor >= (70, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_build_wheels_offline(), reason="needs setuptools>=70.1 or wheel")
+def test_the_docker_build_context_builds_the_wheel(tmp_path: Path) -> None:
+    """What the build stage does, on exactly the files .dockerignore lets through."""
+    context = tmp_path / "context"
+    context.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", context)
+    shutil.copytree(ROOT / "controller", context / "controller", ignore=shutil.ignore_patterns("__pycache__"))
+    readme = ROOT / "README.md"
+    (context / "README.md").write_text(readme.read_text() if readme.exists() else "# sd-controller\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "w"),
+            ".",
+        ],
+        cwd=context,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = (tmp_path / "w").glob("sd_controller-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "sd-controller = controller.cli:main" in entry_points
+    assert "controller/data/example-calibration.json" in names

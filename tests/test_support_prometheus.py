@@ -83,14 +83,10 @@ def test_a_restart_of_vllm_never_gives_a_negative_rate(prometheus_server, fake_v
     drive(fake_vllm, 1)
     with driving(fake_vllm):
         # Two scrapes after the reset: the reset is in the TSDB, and then some growth.
-        prom.wait_for(
-            "vllm:request_success_total", predicate=lambda r: fake_vllm.scrapes > scrapes + 2
-        )
+        prom.wait_for("vllm:request_success_total", predicate=lambda r: fake_vllm.scrapes > scrapes + 2)
     values = [
         float(v)
-        for series in prom.query_range(
-            "rate(vllm:request_success_total[5s])", start, time.time(), 0.5
-        )
+        for series in prom.query_range("rate(vllm:request_success_total[5s])", start, time.time(), 0.5)
         for _, v in series["values"]
     ]
     assert values, "no rate samples at all"

@@ -66,9 +66,7 @@ def capture_shapes() -> dict[str, tuple[str, set]]:
 def counters_from_capture(text: str) -> VllmCounters:
     """The VllmCounters whose rendering should reproduce a capture's vLLM sample values."""
     values = {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("engine",)))): (
-            s.value
-        )
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("engine",)))): (s.value)
         for fam in text_string_to_metric_families(text)
         for s in fam.samples
     }
@@ -92,24 +90,17 @@ def counters_from_capture(text: str) -> VllmCounters:
     sd = None
     if ("vllm:spec_decode_num_drafts_total", (model,)) in values:
         positions = sorted(
-            int(dict(k[1])["position"])
-            for k in values
-            if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+            int(dict(k[1])["position"]) for k in values if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
         )
         sd = SpecDecodeCounters(
             num_drafts=get("vllm:spec_decode_num_drafts_total"),
             num_draft_tokens=get("vllm:spec_decode_num_draft_tokens_total"),
             num_accepted_tokens=get("vllm:spec_decode_num_accepted_tokens_total"),
             accepted_per_pos=tuple(
-                get("vllm:spec_decode_num_accepted_tokens_per_pos_total", ("position", str(p)))
-                for p in positions
+                get("vllm:spec_decode_num_accepted_tokens_per_pos_total", ("position", str(p))) for p in positions
             ),
         )
-    reasons = {
-        dict(k[1])["finished_reason"]: v
-        for k, v in values.items()
-        if k[0] == "vllm:request_success_total"
-    }
+    reasons = {dict(k[1])["finished_reason"]: v for k, v in values.items() if k[0] == "vllm:request_success_total"}
     return VllmCounters(
         model_name="tiny",
         engine="0",
@@ -144,9 +135,7 @@ def test_every_rendered_family_matches_the_captures(counters: VllmCounters) -> N
         assert sample_shapes <= ref_shapes, f"{name}: {sample_shapes - ref_shapes} not in captures"
         # Every series the captures have for this family is rendered too (e.g. all 5
         # finished_reason values, all buckets).
-        assert {s for s in ref_shapes} <= sample_shapes | {
-            s for s in ref_shapes if s[0].endswith("_created")
-        }, name
+        assert {s for s in ref_shapes} <= sample_shapes | {s for s in ref_shapes if s[0].endswith("_created")}, name
 
 
 @pytest.mark.parametrize("capture", list(CAPTURES), ids=list(CAPTURES))
@@ -187,11 +176,7 @@ def test_sd_series_exist_only_with_an_sd_block() -> None:
         "vllm:spec_decode_num_accepted_tokens_per_pos",
     ):
         assert fams[name][0] == "counter"
-    per_pos = {
-        k: v
-        for k, v in samples(on).items()
-        if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-    }
+    per_pos = {k: v for k, v in samples(on).items() if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
     assert sorted(dict(k[1])["position"] for k in per_pos) == ["0", "1", "2", "3"]
     assert sorted(per_pos.values()) == [8, 32, 72, 104]
 
@@ -208,9 +193,7 @@ def test_the_text_is_byte_identical_to_vllm_for_shared_lines() -> None:
 
 def test_label_values_are_escaped() -> None:
     text = render(VllmCounters(model_name='org/m"x\\y\nz'))
-    names = {
-        s.labels["model_name"] for f in text_string_to_metric_families(text) for s in f.samples
-    }
+    names = {s.labels["model_name"] for f in text_string_to_metric_families(text) for s in f.samples}
     assert names == {'org/m"x\\y\nz'}
 
 

@@ -40,8 +40,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not VLLM_PYTHON.exists() or not (MODEL / "config.json").exists(),
-        reason=f"needs the vLLM venv ({VLLM_PYTHON}) and the tiny model ({MODEL}): "
-        "run scripts/setup-vllm.sh",
+        reason=f"needs the vLLM venv ({VLLM_PYTHON}) and the tiny model ({MODEL}): run scripts/setup-vllm.sh",
     ),
 ]
 
@@ -180,9 +179,7 @@ def test_launcher_toggles_sd_on_real_vllm(tmp_path):
         complete()
         text = metrics()
         assert SD_SERIES in text
-        drafts = [
-            float(line.split()[-1]) for line in text.splitlines() if line.startswith(SD_SERIES)
-        ]
+        drafts = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(SD_SERIES)]
         assert sum(drafts) > 0
 
         off_s = switch(False)

@@ -53,9 +53,7 @@ class Histogram:
         """A copy with ``n`` observations of ``value`` added."""
         if n <= 0:
             return self
-        cumulative = tuple(
-            c + n if value <= b else c for b, c in zip(self.bounds, self.cumulative, strict=True)
-        )
+        cumulative = tuple(c + n if value <= b else c for b, c in zip(self.bounds, self.cumulative, strict=True))
         return replace(self, cumulative=cumulative, sum=self.sum + value * n, count=self.count + n)
 
 
@@ -90,21 +88,13 @@ class VllmCounters:
     prompt_tokens_total: float = 0.0
     generation_tokens_total: float = 0.0
     request_prompt_tokens: Histogram = field(default_factory=lambda: Histogram.empty(TOKEN_BUCKETS))
-    request_generation_tokens: Histogram = field(
-        default_factory=lambda: Histogram.empty(TOKEN_BUCKETS)
-    )
-    time_to_first_token_seconds: Histogram = field(
-        default_factory=lambda: Histogram.empty(TTFT_BUCKETS_S)
-    )
-    inter_token_latency_seconds: Histogram = field(
-        default_factory=lambda: Histogram.empty(TOKEN_LATENCY_BUCKETS_S)
-    )
+    request_generation_tokens: Histogram = field(default_factory=lambda: Histogram.empty(TOKEN_BUCKETS))
+    time_to_first_token_seconds: Histogram = field(default_factory=lambda: Histogram.empty(TTFT_BUCKETS_S))
+    inter_token_latency_seconds: Histogram = field(default_factory=lambda: Histogram.empty(TOKEN_LATENCY_BUCKETS_S))
     request_time_per_output_token_seconds: Histogram = field(
         default_factory=lambda: Histogram.empty(TOKEN_LATENCY_BUCKETS_S)
     )
-    e2e_request_latency_seconds: Histogram = field(
-        default_factory=lambda: Histogram.empty(E2E_LATENCY_BUCKETS_S)
-    )
+    e2e_request_latency_seconds: Histogram = field(default_factory=lambda: Histogram.empty(E2E_LATENCY_BUCKETS_S))
     num_requests_running: float = 0.0
     num_requests_waiting: float = 0.0
     spec_decode: SpecDecodeCounters | None = None

@@ -126,9 +126,7 @@ class FakeControllerExporter:
 
     def start(self) -> FakeControllerExporter:
         self.port = free_port()
-        self._server, self._thread = start_http_server(
-            self.port, addr="127.0.0.1", registry=self.registry
-        )
+        self._server, self._thread = start_http_server(self.port, addr="127.0.0.1", registry=self.registry)
         return self
 
     def stop(self) -> None:

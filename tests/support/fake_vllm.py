@@ -149,21 +149,15 @@ class FakeVllmServer:
                 success = dict(c.request_success)
                 success[finished_reason] = success.get(finished_reason, 0.0) + requests
                 changes["request_success"] = success
-                changes["request_prompt_tokens"] = c.request_prompt_tokens.observe(
-                    prompt_tokens / requests, requests
-                )
+                changes["request_prompt_tokens"] = c.request_prompt_tokens.observe(prompt_tokens / requests, requests)
                 gen_per_request = gen_tokens / requests
-                changes["request_generation_tokens"] = c.request_generation_tokens.observe(
-                    gen_per_request, requests
-                )
+                changes["request_generation_tokens"] = c.request_generation_tokens.observe(gen_per_request, requests)
                 if e2e_latency_s is not None:
                     changes["e2e_request_latency_seconds"] = c.e2e_request_latency_seconds.observe(
                         e2e_latency_s, requests
                     )
                     ttft = e2e_latency_s * 0.1 if ttft_s is None else ttft_s
-                    changes["time_to_first_token_seconds"] = c.time_to_first_token_seconds.observe(
-                        ttft, requests
-                    )
+                    changes["time_to_first_token_seconds"] = c.time_to_first_token_seconds.observe(ttft, requests)
                     if gen_per_request > 1:
                         tpot = max(e2e_latency_s - ttft, 0.0) / (gen_per_request - 1)
                         changes["request_time_per_output_token_seconds"] = (
@@ -174,17 +168,12 @@ class FakeVllmServer:
                         steps = drafts if sd is not None and drafts else gen_tokens - requests
                         if steps > 0:
                             itl = max(e2e_latency_s - ttft, 0.0) * requests / steps
-                            changes["inter_token_latency_seconds"] = (
-                                c.inter_token_latency_seconds.observe(itl, steps)
-                            )
+                            changes["inter_token_latency_seconds"] = c.inter_token_latency_seconds.observe(itl, steps)
             if sd is not None:
                 per_pos = list(sd.accepted_per_pos)
                 if accepted_per_pos is not None:
                     if len(accepted_per_pos) > len(per_pos):
-                        raise ValueError(
-                            f"advance: {len(accepted_per_pos)} positions given, "
-                            f"SD has {len(per_pos)}"
-                        )
+                        raise ValueError(f"advance: {len(accepted_per_pos)} positions given, SD has {len(per_pos)}")
                     for i, v in enumerate(accepted_per_pos):
                         per_pos[i] += v
                 changes["spec_decode"] = replace(
@@ -232,11 +221,7 @@ class FakeVllmServer:
         return self._mode
 
     def _fresh(self, sd_enabled: bool) -> VllmCounters:
-        sd = (
-            SpecDecodeCounters(accepted_per_pos=(0.0,) * self.num_speculative_tokens)
-            if sd_enabled
-            else None
-        )
+        sd = SpecDecodeCounters(accepted_per_pos=(0.0,) * self.num_speculative_tokens) if sd_enabled else None
         return VllmCounters(
             model_name=self.model_name,
             engine=self.engine,

@@ -2,9 +2,8 @@
 else a small pure-Python renderer for the subset our base uses.
 
 The fallback supports ``resources`` (files), ``configMapGenerator`` (``envs``, ``files``,
-``literals``; no name hash), ``labels`` (``pairs`` on metadata, optionally selectors) and
-``images`` (newName/newTag). Anything else in the kustomization raises, so the fallback can
-never silently render something different from kustomize.
+``literals``; no name hash) and ``labels`` (``pairs`` on metadata). Anything else in the
+kustomization raises, so the fallback can never silently render something different.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 
 import yaml
 
-SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "configMapGenerator", "labels", "images"}
+SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "configMapGenerator", "labels"}
 
 
 def kubectl_binary() -> str | None:
@@ -73,14 +72,6 @@ def render_in_python(directory: Path) -> list[dict[str, Any]]:
             doc.setdefault("metadata", {}).setdefault("labels", {}).update(pairs)
             if label.get("includeSelectors"):
                 raise NotImplementedError("fallback kustomize: labels.includeSelectors")
-    images = {i["name"]: i for i in kust.get("images", [])}
-    for doc in docs:
-        pod = doc.get("spec", {}).get("template", {}).get("spec", {})
-        for container in pod.get("containers", []) + pod.get("initContainers", []):
-            name, _, tag = container["image"].partition(":")
-            if name in images:
-                img = images[name]
-                container["image"] = f"{img.get('newName', name)}:{img.get('newTag', tag)}"
     return docs
 
 

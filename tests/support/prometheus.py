@@ -170,17 +170,14 @@ class PrometheusServer:
         while True:
             if self._proc.poll() is not None:
                 raise PrometheusError(
-                    f"prometheus exited with {self._proc.returncode} on {self.url}: "
-                    f"{self.log_tail()}"
+                    f"prometheus exited with {self._proc.returncode} on {self.url}: {self.log_tail()}"
                 )
             with contextlib.suppress(requests.RequestException):
                 if self._session.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
                     return
             if time.monotonic() > deadline:
                 self.stop()
-                raise PrometheusError(
-                    f"prometheus at {self.url} not ready after {timeout_s}s: {self.log_tail()}"
-                )
+                raise PrometheusError(f"prometheus at {self.url} not ready after {timeout_s}s: {self.log_tail()}")
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -235,9 +232,7 @@ class PrometheusServer:
         except ValueError as e:
             raise PrometheusError(f"{path} on {self.url}: HTTP {r.status_code}, not JSON") from e
         if body.get("status") != "success":
-            raise PrometheusError(
-                f"{path} {params.get('query')!r}: {body.get('errorType')}: {body.get('error')}"
-            )
+            raise PrometheusError(f"{path} {params.get('query')!r}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]
 
     def query(self, promql: str, time: float | None = None) -> list[dict]:
@@ -286,8 +281,7 @@ class PrometheusServer:
                 return result
             if time.monotonic() > deadline:
                 raise PrometheusError(
-                    f"{promql!r} on {self.url}: condition not met after {timeout_s}s; "
-                    f"last result {result!r}"
+                    f"{promql!r} on {self.url}: condition not met after {timeout_s}s; last result {result!r}"
                 )
             time.sleep(poll_s)
 

@@ -1,0 +1,173 @@
+"""Turn an observation into what the decision needs: acceptance, prediction, switch price.
+
+Pure: model, settings, state, observation and time in; an :class:`Assessment` out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
+from controller.model import LatencyModel, Workload, best_draft_length, break_even_rates, predict_point
+from controller.observation import Observation
+from controller.settings import Settings
+from controller.state import ControllerState
+from controller.switch_cost import downtime_estimate, projected_rate, switch_cost, switch_gain
+
+
+class AcceptanceSource(StrEnum):
+    MEASURED = "measured"  # rolling window from the SD counters
+    LAST = "last"  # SD is off: the last measured value, within its max age
+    PRIOR = "prior"  # never measured, or too old
+
+
+@dataclass(frozen=True)
+class AcceptanceEstimate:
+    rate: float  # vLLM-style accepted / drafted tokens at ``measured_at_draft_length``
+    alpha: float  # per-token acceptance
+    source: AcceptanceSource
+    age_s: float  # 0 when measured now
+    accepted_length: float | None = None  # measured E[N] from per-position counters
+
+
+def estimate_acceptance(
+    obs: Observation, state: ControllerState, settings: Settings, draft_length: int, now: float
+) -> AcceptanceEstimate:
+    """Measured if SD counters moved this window; else the last one if young enough; else prior."""
+    if obs.acceptance_rate is not None:
+        en = obs.accepted_length
+        if en is not None and obs.position_acceptance:
+            # Per-position counters give E[N] exactly; α is what reproduces it at that γ.
+            gamma = len(obs.position_acceptance)
+            alpha = float(alpha_from_vllm_rate((en - 1.0) / gamma, gamma))
+        else:
+            # N-gram drafting may propose fewer than γ tokens: use the mean drafted per draft.
+            gamma_eff = obs.mean_draft_tokens if obs.mean_draft_tokens else float(draft_length)
+            alpha = float(alpha_from_vllm_rate(obs.acceptance_rate, max(gamma_eff, 1.0)))
+        return AcceptanceEstimate(obs.acceptance_rate, alpha, AcceptanceSource.MEASURED, 0.0, en)
+    if state.last_alpha is not None and state.last_acceptance_at is not None:
+        age = max(now - state.last_acceptance_at, 0.0)
+        if age <= settings.acceptance_max_age_s:
+            rate = state.last_acceptance_rate if state.last_acceptance_rate is not None else 0.0
+            return AcceptanceEstimate(rate, state.last_alpha, AcceptanceSource.LAST, age)
+    alpha = float(alpha_from_vllm_rate(settings.acceptance_prior, settings.draft_length))
+    return AcceptanceEstimate(settings.acceptance_prior, alpha, AcceptanceSource.PRIOR, math.inf)
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """Everything the policy weighs, and everything the exporter shows."""
+
+    arrival_rate_rps: float
+    projected_rate_rps: float  # the rate the decision is evaluated at (trend, conservative)
+    acceptance: AcceptanceEstimate
+    workload: Workload
+    draft_length: int  # γ the SD-on state would run with
+    best_draft_length: int
+    predicted_speedup: float  # at the current rate
+    decision_speedup: float  # at the projected rate: compared with the thresholds
+    latency_off_s: float
+    latency_on_s: float
+    batch_off: float
+    batch_on: float
+    stability_limit_off_rps: float
+    stability_limit_on_rps: float
+    break_even_rate_rps: float | None  # S = 1 at this acceptance; None: SD never falls below 1
+    restart_downtime_s: float
+    switch_cost_request_s: float  # of switching away from the applied state
+    projected_gain_request_s: float  # of the other state over the horizon (negative: a loss)
+
+    def latency_s(self, enabled: bool) -> float:
+        return self.latency_on_s if enabled else self.latency_off_s
+
+    def batch(self, enabled: bool) -> float:
+        return self.batch_on if enabled else self.batch_off
+
+
+def assess(
+    model: LatencyModel,
+    settings: Settings,
+    state: ControllerState,
+    obs: Observation,
+    applied_enabled: bool | None,
+    applied_draft_length: int | None,
+    now: float,
+) -> Assessment:
+    """Predict both states at the observed (and projected) load and price a switch."""
+    assert obs.arrival_rate_rps is not None, "assess() needs an arrival rate"
+    gamma_now = applied_draft_length or settings.draft_length
+    acc = estimate_acceptance(obs, state, settings, gamma_now, now)
+    workload = Workload(
+        _first(obs.mean_prompt_tokens, state.last_prompt_tokens, settings.default_prompt_tokens),
+        _first(obs.mean_gen_tokens, state.last_gen_tokens, settings.default_gen_tokens),
+    )
+    rate = obs.arrival_rate_rps
+    if settings.price_switches:
+        ahead = projected_rate(
+            rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s, settings.dwell_s
+        )
+        # Conservative toward the catastrophic side: SD at a load beyond its limit. A rising
+        # trend is believed; a falling one is not (the load may come back before the dwell ends).
+        eval_rate = max(rate, ahead)
+    else:
+        eval_rate = rate
+    best = best_draft_length(model, eval_rate, acc.alpha, workload, settings.draft_length_candidates)
+    gamma_on = (
+        applied_draft_length
+        if applied_enabled and applied_draft_length
+        else (best.draft_length if settings.adapt_draft_length else settings.draft_length)
+    )
+    # A measured E[N] is only valid for the γ it was measured at.
+    en = acc.accepted_length if acc.accepted_length is not None and gamma_on == gamma_now else None
+    now_p = predict_point(model, rate, acc.alpha, gamma_on, workload, en)
+    eval_p = now_p if eval_rate == rate else predict_point(model, eval_rate, acc.alpha, gamma_on, workload, en)
+    be = break_even_rates(model, acc.alpha, gamma_on, workload, thresholds=(1.0,), accepted_length=en)[1.0]
+
+    downtime = downtime_estimate(state.restart_durations_s, settings.restart_downtime_s)
+    currently_on = bool(applied_enabled)
+    lat_cur = eval_p.latency_on_s if currently_on else eval_p.latency_off_s
+    lat_new = eval_p.latency_off_s if currently_on else eval_p.latency_on_s
+    cap_cur = eval_p.stability_limit_on_rps if currently_on else eval_p.stability_limit_off_rps
+    cap_new = eval_p.stability_limit_off_rps if currently_on else eval_p.stability_limit_on_rps
+
+    def latency_current(r: float) -> float:
+        p = predict_point(model, r, acc.alpha, gamma_on, workload, en)
+        return p.latency_on_s if currently_on else p.latency_off_s
+
+    cost = switch_cost(eval_rate, downtime, cap_new, settings.replicas, cap_cur, latency_current)
+    horizon = max(settings.gain_horizon_s, settings.dwell_s)
+    gain = switch_gain(eval_rate, horizon, lat_cur, lat_new, cap_cur, cap_new)
+    return Assessment(
+        arrival_rate_rps=rate,
+        projected_rate_rps=eval_rate,
+        acceptance=acc,
+        workload=workload,
+        draft_length=gamma_on,
+        best_draft_length=best.draft_length,
+        predicted_speedup=now_p.speedup,
+        decision_speedup=eval_p.speedup,
+        latency_off_s=now_p.latency_off_s,
+        latency_on_s=now_p.latency_on_s,
+        batch_off=now_p.batch_off,
+        batch_on=now_p.batch_on,
+        stability_limit_off_rps=now_p.stability_limit_off_rps,
+        stability_limit_on_rps=now_p.stability_limit_on_rps,
+        break_even_rate_rps=be.rate_rps,
+        restart_downtime_s=downtime,
+        switch_cost_request_s=cost,
+        projected_gain_request_s=gain,
+    )
+
+
+def _first(*values: float | None) -> float:
+    for v in values:
+        if v is not None and v > 0:
+            return float(v)
+    raise ValueError("no positive value")  # pragma: no cover - the settings default is > 0
+
+
+def acceptance_rate_for(alpha: float, draft_length: int) -> float:
+    """vLLM-style rate an α would show at this draft length (for display)."""
+    return float(vllm_rate_from_alpha(alpha, draft_length))

@@ -1,0 +1,165 @@
+"""``sd-controller run``: the daemon. Builds the shell from settings and runs the tick loop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from controller import calibration as cal_mod
+from controller.commands._common import calibration_path
+from controller.errors import ConfigError, InputError
+from controller.hooks.base import Hook
+from controller.hooks.exec import ExecHook, NoHook
+from controller.hooks.http import HttpHook, launcher_hook, read_token
+from controller.logs import configure as configure_logs
+from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
+from controller.settings import HookType, Settings, load_settings
+from controller.sources.prometheus import PrometheusSource, render_queries
+from controller.sources.vllm_metrics import VllmMetricsSource
+from controller.state_store import FileStateStore
+
+log = structlog.get_logger("sd_controller")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML or JSON settings file (keys are setting names)")
+    p.add_argument("--calibration", help="calibration file (overrides calibration_file)")
+    p.add_argument("--dry-run", action="store_true", help="decide and export, never call the hook")
+    p.add_argument("--once", action="store_true", help="run one tick, print the decision with its reasons, exit")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="override one setting (repeatable; JSON values allowed)"
+    )
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--set {item!r}: expected NAME=VALUE")
+        try:
+            out[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name.strip()] = value
+    return out
+
+
+def build_source(s: Settings):
+    if s.prometheus_url:
+        try:
+            render_queries(s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s, s.queries)
+        except ValueError as exc:
+            raise ConfigError(f"setting queries: {exc}") from exc
+        return PrometheusSource(
+            s.prometheus_url, s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s,
+            s.queries, s.prometheus_timeout_s,
+        )  # fmt: skip
+    return VllmMetricsSource(
+        url=s.vllm_metrics_url, model_name=s.vllm_model_name, rate_window_s=s.rate_window_s,
+        acceptance_window_s=s.acceptance_window_s, long_window_s=s.long_window_s, timeout_s=s.prometheus_timeout_s,
+    )  # fmt: skip
+
+
+def build_hook(s: Settings, applied_enabled: bool | None) -> Hook:
+    if s.hook_type is HookType.NONE:
+        return NoHook()
+    if s.hook_type is HookType.EXEC:
+        return ExecHook(s.hook_exec_argv, s.hook_exec_timeout_s, initial_enabled=applied_enabled)
+    token = read_token(s.hook_token_file, s.hook_token_env)
+    verify: bool | str = str(s.hook_ca_bundle) if s.hook_ca_bundle else s.hook_tls_verify
+    kw = {"timeout_s": s.hook_timeout_s, "retries": s.hook_retries, "verify": verify}
+    assert s.hook_url
+    if s.hook_type is HookType.LAUNCHER:
+        return launcher_hook(s.hook_url, token, **kw)
+    return HttpHook(s.hook_url, s.hook_status_url, token, **kw)
+
+
+def build(args: argparse.Namespace, settings: Settings | None = None, clock=time.time) -> Controller:
+    """Everything ``run`` needs, from args and environment; ConfigError names the setting."""
+    s = settings or load_settings(args.config, **({"calibration_file": args.calibration} | _parse_sets(args.set)))
+    if not s.calibration_file:
+        raise ConfigError("setting calibration_file: required (a file from sd-controller calibrate)")
+    try:
+        cal = cal_mod.load(calibration_path(s.calibration_file))
+    except InputError as exc:
+        raise ConfigError(f"setting calibration_file: {exc}") from exc
+    if cal.example:
+        log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
+    store = FileStateStore(s.state_file)
+    try:
+        s.state_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"setting state_file: cannot create {s.state_file.parent}: {exc.strerror}") from exc
+    state = store.load()
+    return Controller(
+        settings=s,
+        model=cal.latency_model(s.max_num_seqs),
+        source=build_source(s),
+        hook=build_hook(s, state.applied_enabled),
+        clock=clock,
+        state_store=store,
+        dry_run=args.dry_run,
+        override=override_from_file(s.override_file, s.override),
+        notify=WebhookNotifier(s.webhook_url),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config, **({"calibration_file": args.calibration} | _parse_sets(args.set)))
+        configure_logs(settings.log_format, settings.log_level)
+        controller = build(args, settings)
+    except (ConfigError, InputError) as exc:
+        print(f"sd-controller run: error: {exc}", file=sys.stderr)
+        return 2
+    if args.once:
+        result = controller.tick()
+        d, a = result.decision, result.assessment
+        print(f"decision: {d.action.value} ({d.reason.value}) — {d.detail}")
+        print(f"state: {d.phase.value}; applied SD: {result.state.applied_enabled}; events: {', '.join(result.events) or '-'}")
+        if a is not None:
+            print(
+                f"rate {a.arrival_rate_rps:.3f} req/s (projected {a.projected_rate_rps:.3f}); acceptance {a.acceptance.rate:.3f}"
+                f" ({a.acceptance.source.value}); predicted speedup {a.predicted_speedup:.3f} at γ={a.draft_length}"
+                f" (best γ {a.best_draft_length}); break-even {a.break_even_rate_rps}; switch cost"
+                f" {a.switch_cost_request_s:.0f} req·s vs gain {a.projected_gain_request_s:.0f} req·s"
+            )
+        return 0
+    from controller.exporter import MetricsServer
+
+    try:
+        server = MetricsServer(
+            controller.registry, settings.exporter_host, settings.exporter_port, controller.healthy
+        ).start()
+    except OSError as exc:
+        print(f"sd-controller run: error: setting exporter_port: cannot listen on {settings.exporter_host}:{settings.exporter_port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("shutdown_requested", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info(
+        "started",
+        exporter_port=server.port,
+        source="prometheus" if settings.prometheus_url else "vllm_metrics",
+        hook=settings.hook_type.value,
+        interval_s=settings.evaluation_interval_s,
+        dry_run=args.dry_run,
+    )
+    try:
+        ticks = run_loop(controller, stop, settings.evaluation_interval_s)
+    finally:
+        server.stop()
+    log.info("stopped", ticks=ticks)
+    return 0

@@ -1,0 +1,47 @@
+"""The admin-hook contract: how the controller asks for SD on/off and learns what is applied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+
+class HookPhase(StrEnum):
+    READY = "ready"  # serving with the applied config
+    RESTARTING = "restarting"  # a change is being applied
+    STARTING = "starting"
+    FAILED = "failed"  # the last change failed (rolled back); applied is the old config
+    UNKNOWN = "unknown"  # status could not be read
+
+
+@dataclass(frozen=True)
+class ChangeRequest:
+    """What the controller wants applied, and why (the reason travels to the hook)."""
+
+    enabled: bool
+    num_speculative_tokens: int | None
+    reason: str
+    predicted_speedup: float | None = None
+    requested_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class HookStatus:
+    phase: HookPhase
+    applied_enabled: bool | None = None
+    applied_draft_length: int | None = None
+    restart_durations_s: tuple[float, ...] = field(default_factory=tuple)
+    last_error: str | None = None
+
+
+class HookError(RuntimeError):
+    """The hook refused or failed a request; the message is safe to log (no secrets)."""
+
+
+class Hook(Protocol):
+    def request(self, change: ChangeRequest) -> None:
+        """Ask for a change. Returns once the hook accepted it; raises :class:`HookError`."""
+
+    def status(self) -> HookStatus:
+        """What is applied now (never raises: an unreadable status is ``HookPhase.UNKNOWN``)."""

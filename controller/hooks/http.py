@@ -1,0 +1,187 @@
+"""HTTP admin hook: POST the desired state, poll a status URL until it is applied.
+
+Bearer token from a file or an env var (never logged, never in an error message), TLS
+verification on by default, per-call timeouts, tenacity retries on connection errors and 5xx
+only (a 4xx is an answer, not a glitch). The ``launcher`` hook is this one pointed at
+``sd-controller launch``'s admin API.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import requests
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
+
+from controller.errors import ConfigError
+from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
+
+
+def read_token(token_file: Path | None, token_env: str) -> str | None:
+    """The bearer token: the file wins over the env var; ConfigError if the file is unreadable."""
+    if token_file is not None:
+        try:
+            token = token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"setting hook_token_file: cannot read {token_file}: {exc.strerror or exc}") from exc
+        if not token:
+            raise ConfigError(f"setting hook_token_file: {token_file} is empty")
+        return token
+    return os.environ.get(token_env) or None
+
+
+def redact_url(url: str) -> str:
+    """URL without user:password@ (safe for logs and errors)."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return url
+
+
+class _Retryable(Exception):
+    """A 5xx: worth another try."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, requests.ConnectionError | requests.Timeout | _Retryable)
+
+
+class HttpHook:
+    """``request`` POSTs JSON to ``url``; ``status`` GETs ``status_url``.
+
+    The status body is the launcher's shape, ``{"phase": ..., "applied": {"enabled": ...,
+    "num_speculative_tokens": ...}, "restart_durations_s": [...], "last_error": ...}``; a plain
+    ``{"enabled": bool}`` is read as a ready server with that state.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        status_url: str | None,
+        token: str | None,
+        timeout_s: float = 10.0,
+        retries: int = 3,
+        verify: bool | str = True,
+        session: requests.Session | None = None,
+    ) -> None:
+        self.url = url
+        self.status_url = status_url
+        self._token = token
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self._session = session or requests.Session()
+        self._send = retry(
+            retry=retry_if_exception(_retryable),
+            stop=stop_after_attempt(retries + 1),
+            wait=wait_exponential(multiplier=0.5, max=5),
+            reraise=True,
+        )(self._send_once)
+
+    def __repr__(self) -> str:  # never show the token
+        return f"HttpHook(url={redact_url(self.url)!r}, status_url={self.status_url and redact_url(self.status_url)!r})"
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self._token:
+            h["Authorization"] = f"Bearer {self._token}"
+        return h
+
+    def _send_once(self, method: str, url: str, body: dict[str, Any] | None) -> requests.Response:
+        resp = self._session.request(
+            method, url, json=body, headers=self._headers(), timeout=self.timeout_s, verify=self.verify
+        )
+        if resp.status_code >= 500:
+            raise _Retryable(resp.status_code)
+        return resp
+
+    def request(self, change: ChangeRequest) -> None:
+        body = {
+            "enabled": change.enabled,
+            "num_speculative_tokens": change.num_speculative_tokens,
+            "reason": change.reason,
+            "predicted_speedup": change.predicted_speedup,
+            "requested_by": "sd-controller",
+        }
+        if change.num_speculative_tokens is None:
+            body.pop("num_speculative_tokens")
+        where = redact_url(self.url)
+        try:
+            resp = self._send("POST", self.url, body)
+        except _Retryable as exc:
+            raise HookError(f"{where}: HTTP {exc.status} after retries") from None
+        except requests.Timeout:
+            raise HookError(f"{where}: timed out after {self.timeout_s}s") from None
+        except requests.ConnectionError as exc:
+            raise HookError(f"{where}: connection failed ({type(exc).__name__})") from None
+        if resp.status_code == 401 or resp.status_code == 403:
+            raise HookError(f"{where}: HTTP {resp.status_code}: token rejected")
+        if not 200 <= resp.status_code < 300:
+            raise HookError(f"{where}: HTTP {resp.status_code}: {_brief(resp)}")
+
+    def status(self) -> HookStatus:
+        if not self.status_url:
+            return HookStatus(HookPhase.UNKNOWN)
+        try:
+            resp = self._send("GET", self.status_url, None)
+        except (_Retryable, requests.RequestException) as exc:
+            return HookStatus(HookPhase.UNKNOWN, last_error=f"{redact_url(self.status_url)}: {type(exc).__name__}")
+        if resp.status_code != 200:
+            return HookStatus(HookPhase.UNKNOWN, last_error=f"{redact_url(self.status_url)}: HTTP {resp.status_code}")
+        try:
+            return parse_status(resp.json())
+        except (ValueError, TypeError, KeyError) as exc:
+            return HookStatus(HookPhase.UNKNOWN, last_error=f"{redact_url(self.status_url)}: bad status body ({exc})")
+
+
+def parse_status(body: Any) -> HookStatus:
+    """Read the launcher's status shape (or a bare ``{"enabled": bool}``)."""
+    if not isinstance(body, dict):
+        raise ValueError("status is not a JSON object")
+    if "applied" in body:
+        applied = body["applied"] or {}
+        phase = HookPhase(body.get("phase", "unknown"))
+        enabled = applied.get("enabled")
+        tokens = applied.get("num_speculative_tokens")
+    else:
+        phase = HookPhase.READY
+        enabled = body.get("enabled")
+        tokens = body.get("num_speculative_tokens")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError("applied.enabled is not a boolean")
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool)):
+        raise ValueError("num_speculative_tokens is not an integer")
+    durations = body.get("restart_durations_s") or (
+        [body["last_restart_duration_s"]] if body.get("last_restart_duration_s") else []
+    )
+    return HookStatus(
+        phase=phase,
+        applied_enabled=enabled,
+        applied_draft_length=tokens,
+        restart_durations_s=tuple(float(d) for d in durations),
+        last_error=body.get("last_error"),
+    )
+
+
+def launcher_hook(base_url: str, token: str | None, **kw: Any) -> HttpHook:
+    """The hook for ``sd-controller launch``: its admin API under ``base_url``."""
+    base = base_url.rstrip("/")
+    return HttpHook(f"{base}/admin/speculative", f"{base}/admin/status", token, **kw)
+
+
+def _brief(resp: requests.Response) -> str:
+    try:
+        body = resp.json()
+        if isinstance(body, dict) and "error" in body:
+            return str(body["error"])[:200]
+    except ValueError:
+        pass
+    return resp.text[:200].replace("\n", " ")

@@ -1,0 +1,281 @@
+"""The tick loop: the imperative shell around the pure model and policy.
+
+    status  = hook.status()                      (what is applied, is a change pending)
+    state   = policy.reconcile(state, status)
+    obs     = source.observe(now)
+    a       = assessment.assess(model, obs, state)   (when the observation is usable)
+    d, state = policy.decide(state, obs, a, override, now)
+    hook.request(d) / exporter.record(...) / state_store.save(state)
+
+Everything with I/O is injected (clock, source, hook, registry, state store, override reader,
+notifier), so a test, a simulation or a backtest runs this very loop on virtual time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+import structlog
+from prometheus_client import CollectorRegistry
+
+from controller import policy
+from controller.assessment import Assessment, assess
+from controller.exporter import Exporter
+from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
+from controller.model import LatencyModel
+from controller.observation import Observation, ObserveResult
+from controller.policy import Decision
+from controller.settings import OverrideMode, Settings
+from controller.state import ControllerState
+from controller.state_store import MemoryStateStore
+
+log = structlog.get_logger("sd_controller")
+
+
+class Source:
+    """Protocol of an observation source (see controller/sources/)."""
+
+    def observe(self, now: float) -> ObserveResult:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+
+class StateStore:
+    def load(self) -> ControllerState:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+    def save(self, state: ControllerState) -> None:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TickResult:
+    now: float
+    observation: ObserveResult
+    assessment: Assessment | None
+    decision: Decision
+    state: ControllerState
+    events: tuple[str, ...]
+    acted: bool  # the hook accepted a change this tick
+    hook_status: HookStatus
+
+
+def override_from_file(path: Path | None, default: OverrideMode) -> Callable[[], OverrideMode]:
+    """Reader for the runtime override file: auto|on|off; absent file -> the configured mode.
+
+    Unreadable or invalid content is logged and ignored (the configured mode stays): a typo in
+    an operator's file must not restart a server.
+    """
+
+    def read() -> OverrideMode:
+        if path is None:
+            return default
+        try:
+            text = path.read_text(encoding="utf-8").strip().lower()
+        except FileNotFoundError:
+            return default
+        except OSError as exc:
+            log.error("override_file_unreadable", path=str(path), error=exc.strerror or str(exc))
+            return default
+        if not text:
+            return default
+        try:
+            return OverrideMode(text)
+        except ValueError:
+            log.error("override_file_invalid", path=str(path), content=text[:40], expected="auto|on|off")
+            return default
+
+    return read
+
+
+class WebhookNotifier:
+    """POSTs a JSON notice for events operators must see (floor trips, failed changes)."""
+
+    def __init__(self, url: str | None, timeout_s: float = 5.0, session: requests.Session | None = None):
+        self.url = url
+        self.timeout_s = timeout_s
+        self._session = session or requests.Session()
+
+    def __call__(self, event: str, payload: dict) -> None:
+        if not self.url:
+            return
+        try:
+            self._session.post(self.url, json={"event": event, **payload}, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            log.warning("webhook_failed", event=event, error=type(exc).__name__)
+
+
+NOTIFY_EVENTS = ("acceptance_floor_tripped", "change_failed")
+
+
+class Controller:
+    """One vLLM server's controller. Call :meth:`tick` once per evaluation interval."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        model: LatencyModel,
+        source: Source,
+        hook: Hook,
+        clock: Callable[[], float],
+        registry: CollectorRegistry | None = None,
+        state_store: StateStore | None = None,
+        dry_run: bool = False,
+        override: Callable[[], OverrideMode] | None = None,
+        notify: Callable[[str, dict], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.source = source
+        self.hook = hook
+        self.clock = clock
+        self.exporter = Exporter(registry if registry is not None else CollectorRegistry())
+        self.exporter.configure(settings.evaluation_interval_s, settings.pending_timeout_s)
+        self.store = state_store or MemoryStateStore()
+        self.dry_run = dry_run
+        self.override = override or (lambda: settings.override)
+        self.notify = notify or (lambda event, payload: None)
+        self.state = self.store.load()
+        self.last_tick_at: float | None = None
+        self._lock = threading.Lock()  # one tick at a time, even if called from two threads
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.exporter.registry
+
+    def tick(self) -> TickResult:
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> TickResult:
+        s = self.settings
+        now = self.clock()
+        status = self.hook.status()
+        state, events = policy.reconcile(self.state, status, s, now)
+        obs = self.source.observe(now)
+        override = self.override()
+        failure = policy.usable(obs, s)
+        assessment = None
+        if failure is None and isinstance(obs, Observation):
+            assessment = assess(self.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now)
+        decision, state = policy.decide(s, state, obs, assessment, override, now)
+        events = events + decision.events
+        acted = False
+        if decision.acts and not self.dry_run:
+            # The pending lock is saved before the hook is called (see policy.begin_request).
+            state = policy.begin_request(state, decision, now)
+            self.store.save(state)
+            change = ChangeRequest(
+                enabled=bool(decision.desired_enabled),
+                num_speculative_tokens=decision.draft_length,
+                reason=f"{decision.reason.value}: {decision.detail}",
+                predicted_speedup=assessment.predicted_speedup if assessment else None,
+                requested_at=now,
+            )
+            try:
+                self.hook.request(change)
+                acted = True
+            except HookError as exc:
+                log.error("hook_request_failed", error=str(exc), desired_enabled=change.enabled)
+            state, more = policy.record_request(state, s, acted, now)
+            events = events + more
+        self.state = state
+        self.store.save(state)
+        self.last_tick_at = now
+        fail_reason = failure.reason if failure is not None else None
+        observed = obs.mean_e2e_latency_s if isinstance(obs, Observation) else None
+        self.exporter.record(now, state, decision, assessment, fail_reason, observed, events)
+        self._log(now, decision, assessment, failure, override, events, acted)
+        for ev in events:
+            kind = ev.split(":", 1)[0]
+            if kind in NOTIFY_EVENTS:
+                self.notify(kind, {"detail": ev, "reason": decision.reason.value, "time": now})
+        return TickResult(now, obs, assessment, decision, state, events, acted, status)
+
+    def _log(
+        self,
+        now: float,
+        d: Decision,
+        a: Assessment | None,
+        failure: object,
+        override: OverrideMode,
+        events: tuple[str, ...],
+        acted: bool,
+    ) -> None:
+        fields: dict = {
+            "time": now,
+            "action": d.action.value,
+            "reason": d.reason.value,
+            "detail": d.detail,
+            "phase": d.phase.value,
+            "applied_enabled": self.state.applied_enabled,
+            "override": override.value,
+            "enable_threshold": self.settings.enable_threshold,
+            "disable_threshold": self.settings.disable_threshold,
+            "dry_run": self.dry_run,
+            "acted": acted,
+        }
+        if events:
+            fields["events"] = list(events)
+        if failure is not None:
+            fields["observation_failure"] = getattr(getattr(failure, "reason", None), "value", str(failure))
+            fields["observation_detail"] = getattr(failure, "detail", "")
+        if a is not None:
+            fields.update(
+                arrival_rate_rps=round(a.arrival_rate_rps, 4),
+                projected_rate_rps=round(a.projected_rate_rps, 4),
+                acceptance_rate=round(a.acceptance.rate, 4),
+                acceptance_source=a.acceptance.source.value,
+                predicted_speedup=_r(a.predicted_speedup),
+                decision_speedup=_r(a.decision_speedup),
+                draft_length=a.draft_length,
+                best_draft_length=a.best_draft_length,
+                break_even_rate_rps=None if a.break_even_rate_rps is None else round(a.break_even_rate_rps, 4),
+                switch_cost_request_s=_r(a.switch_cost_request_s),
+                projected_gain_request_s=_r(a.projected_gain_request_s),
+                restart_downtime_s=round(a.restart_downtime_s, 2),
+            )
+        level = log.warning if (d.acts or any(e.startswith("change_failed") for e in events)) else log.info
+        level("decision", **fields)
+
+    def healthy(self) -> tuple[bool, str]:
+        """Alive and ticking: the last tick is no older than three intervals."""
+        if self.last_tick_at is None:
+            return True, "starting"
+        age = self.clock() - self.last_tick_at
+        if age > 3 * self.settings.evaluation_interval_s:
+            return False, f"last tick {age:.0f}s ago"
+        return True, "ok"
+
+
+def _r(x: float) -> float | str:
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def run_loop(
+    controller: Controller,
+    stop: threading.Event,
+    interval_s: float,
+    max_ticks: int | None = None,
+) -> int:
+    """Tick until ``stop`` is set; ``stop.wait`` makes SIGTERM cut the sleep, never a tick.
+
+    Returns the number of ticks run. A tick that raises is logged and the loop goes on: a
+    controller that dies on a bad tick would leave its server in whatever state it was.
+    """
+    ticks = 0
+    while not stop.is_set():
+        try:
+            controller.tick()
+        except Exception:  # noqa: BLE001 - the loop must survive anything one tick throws
+            log.exception("tick_failed")
+            controller.exporter.failures.labels("tick_error").inc()
+        ticks += 1
+        if max_ticks is not None and ticks >= max_ticks:
+            break
+        stop.wait(interval_s)
+    return ticks

@@ -1,0 +1,82 @@
+"""What a source saw: an :class:`Observation`, or an :class:`ObservationFailure` with a reason.
+
+Missing data is never a number: a field the source could not measure is ``None``, and a source
+that could not observe at all returns a failure whose reason is counted
+(``sd_controller_observation_failures_total{reason}``) and makes the controller hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FailureReason(StrEnum):
+    UNREACHABLE = "unreachable"  # connection refused, DNS, timeout
+    HTTP_ERROR = "http_error"  # non-2xx from Prometheus or /metrics
+    PARSE_ERROR = "parse_error"  # garbage body: not JSON, not exposition format
+    QUERY_ERROR = "query_error"  # Prometheus answered status=error
+    EMPTY = "empty"  # the query matched no series
+    NAN = "nan"  # a value was NaN or infinite
+    STALE = "stale"  # the newest sample is older than allowed
+    WARMING_UP = "warming_up"  # not enough history yet for a rate
+    INCOMPLETE = "incomplete"  # a required field is missing
+
+
+@dataclass(frozen=True)
+class ObservationFailure:
+    """The source could not produce a usable observation this tick."""
+
+    reason: FailureReason
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One tick's view of the vLLM server. ``None`` means "not measured", never zero.
+
+    Rates are per second over the source's windows; acceptance is vLLM's definition
+    (accepted draft tokens / draft tokens) and exists only while SD is configured.
+    """
+
+    time_s: float
+    arrival_rate_rps: float | None
+    arrival_rate_long_rps: float | None = None  # long window, for the trend
+    acceptance_rate: float | None = None
+    position_acceptance: tuple[float, ...] | None = None  # P(position k accepted) per draft
+    mean_draft_tokens: float | None = None  # draft tokens per draft (≤ γ; n-gram may propose fewer)
+    mean_prompt_tokens: float | None = None
+    mean_gen_tokens: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    mean_e2e_latency_s: float | None = None
+    sd_series_present: bool | None = None  # SD counters exported: vLLM runs with SD configured
+    sample_age_s: float | None = None  # age of the newest underlying sample
+
+    def __post_init__(self) -> None:
+        for name in (
+            "arrival_rate_rps",
+            "arrival_rate_long_rps",
+            "acceptance_rate",
+            "mean_draft_tokens",
+            "mean_prompt_tokens",
+            "mean_gen_tokens",
+            "running",
+            "waiting",
+            "mean_e2e_latency_s",
+            "sample_age_s",
+        ):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise ValueError(f"Observation.{name} must be finite or None, got {v!r}")
+
+    @property
+    def accepted_length(self) -> float | None:
+        """E[N] = 1 + Σ P(position k accepted), when per-position counters were read."""
+        if not self.position_acceptance:
+            return None
+        return 1.0 + sum(self.position_acceptance)
+
+
+ObserveResult = Observation | ObservationFailure

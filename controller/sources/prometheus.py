@@ -1,0 +1,204 @@
+"""Observe vLLM through Prometheus' HTTP API (``/api/v1/query``), with vLLM 0.32's metric names.
+
+Every query is a template overridable by name (setting ``queries``); ``$SEL`` is replaced by the
+label selector of this controller's vLLM, ``$W`` / ``$AW`` / ``$LW`` by the rate, acceptance and
+long windows. Prometheus' ``rate()`` already handles counter resets. An empty vector or NaN for
+the arrival rate is a failure with a name; for acceptance it only means SD is off (or drafted
+nothing), which the assessment handles with the last measured value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import requests
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
+
+from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
+
+DEFAULT_QUERIES: dict[str, str] = {
+    # Completions plus queue growth: during overload completions alone cap at capacity.
+    "arrival_rate": (
+        "sum(rate(vllm:request_success_total{$SEL}[$W]))"
+        " + sum(deriv(vllm:num_requests_running{$SEL}[$W]))"
+        " + sum(deriv(vllm:num_requests_waiting{$SEL}[$W]))"
+    ),
+    "arrival_rate_long": (
+        "sum(rate(vllm:request_success_total{$SEL}[$LW]))"
+        " + sum(deriv(vllm:num_requests_running{$SEL}[$LW]))"
+        " + sum(deriv(vllm:num_requests_waiting{$SEL}[$LW]))"
+    ),
+    "acceptance_rate": (
+        "sum(rate(vllm:spec_decode_num_accepted_tokens_total{$SEL}[$AW]))"
+        " / sum(rate(vllm:spec_decode_num_draft_tokens_total{$SEL}[$AW]))"
+    ),
+    "position_acceptance": (
+        "sum by (position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{$SEL}[$AW]))"
+        " / scalar(sum(rate(vllm:spec_decode_num_drafts_total{$SEL}[$AW])))"
+    ),
+    "mean_draft_tokens": (
+        "sum(rate(vllm:spec_decode_num_draft_tokens_total{$SEL}[$AW]))"
+        " / sum(rate(vllm:spec_decode_num_drafts_total{$SEL}[$AW]))"
+    ),
+    "mean_prompt_tokens": (
+        "sum(rate(vllm:request_prompt_tokens_sum{$SEL}[$AW])) / sum(rate(vllm:request_prompt_tokens_count{$SEL}[$AW]))"
+    ),
+    "mean_gen_tokens": (
+        "sum(rate(vllm:request_generation_tokens_sum{$SEL}[$AW]))"
+        " / sum(rate(vllm:request_generation_tokens_count{$SEL}[$AW]))"
+    ),
+    "mean_e2e_latency": (
+        "sum(rate(vllm:e2e_request_latency_seconds_sum{$SEL}[$AW]))"
+        " / sum(rate(vllm:e2e_request_latency_seconds_count{$SEL}[$AW]))"
+    ),
+    "running": "sum(vllm:num_requests_running{$SEL})",
+    "waiting": "sum(vllm:num_requests_waiting{$SEL})",
+    "sd_present": "count(vllm:spec_decode_num_drafts_total{$SEL})",
+    "sample_age": "time() - max(timestamp(vllm:num_requests_running{$SEL}))",
+}
+
+
+def _duration(seconds: float) -> str:
+    return f"{int(round(seconds))}s"
+
+
+def render_queries(
+    selector: str,
+    rate_window_s: float,
+    acceptance_window_s: float,
+    long_window_s: float,
+    overrides: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The PromQL this controller runs, with selector and windows filled in."""
+    unknown = set(overrides or {}) - set(DEFAULT_QUERIES)
+    if unknown:
+        raise ValueError(f"unknown query name(s): {', '.join(sorted(unknown))} (known: {', '.join(DEFAULT_QUERIES)})")
+    templates = {**DEFAULT_QUERIES, **(overrides or {})}
+    sel = selector.strip().strip("{}")
+    return {
+        name: q.replace("$SEL", sel)
+        .replace("$AW", _duration(acceptance_window_s))
+        .replace("$LW", _duration(long_window_s))
+        .replace("$W", _duration(rate_window_s))
+        for name, q in templates.items()
+    }
+
+
+class QueryFailed(Exception):
+    def __init__(self, reason: FailureReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+class PrometheusSource:
+    """One instant query per field each tick, evaluated at ``now``."""
+
+    def __init__(
+        self,
+        url: str,
+        selector: str = "",
+        rate_window_s: float = 60.0,
+        acceptance_window_s: float = 300.0,
+        long_window_s: float = 900.0,
+        queries: Mapping[str, str] | None = None,
+        timeout_s: float = 5.0,
+        session: requests.Session | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.queries = render_queries(selector, rate_window_s, acceptance_window_s, long_window_s, queries)
+        self.timeout_s = timeout_s
+        self._session = session or requests.Session()
+
+    @retry(
+        retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout)),
+        stop=stop_after_attempt(2),
+        wait=wait_fixed(0.5),
+        reraise=True,
+    )
+    def _get(self, promql: str, now: float | None) -> requests.Response:
+        params = {"query": promql}
+        if now is not None:
+            params["time"] = f"{now:.3f}"
+        return self._session.get(f"{self.url}/api/v1/query", params=params, timeout=self.timeout_s)
+
+    def query(self, promql: str, now: float | None = None) -> list[tuple[dict[str, str], float]]:
+        """Instant vector as (labels, value) pairs; raises :class:`QueryFailed` with a reason."""
+        try:
+            resp = self._get(promql, now)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            raise QueryFailed(FailureReason.UNREACHABLE, f"{self.url}: {type(exc).__name__}") from None
+        try:
+            body = resp.json()
+        except ValueError:
+            if resp.status_code >= 400:
+                raise QueryFailed(FailureReason.HTTP_ERROR, f"{self.url}: HTTP {resp.status_code}") from None
+            raise QueryFailed(FailureReason.PARSE_ERROR, f"{self.url}: response is not JSON") from None
+        if not isinstance(body, dict):
+            raise QueryFailed(FailureReason.PARSE_ERROR, f"{self.url}: response is not a JSON object")
+        if body.get("status") != "success":
+            if resp.status_code >= 500:
+                raise QueryFailed(FailureReason.HTTP_ERROR, f"{self.url}: HTTP {resp.status_code}")
+            raise QueryFailed(FailureReason.QUERY_ERROR, f"{body.get('errorType')}: {body.get('error')}"[:200])
+        data = body.get("data")
+        if not isinstance(data, dict):
+            raise QueryFailed(FailureReason.PARSE_ERROR, "data is not an object")
+        kind, result = data.get("resultType"), data.get("result")
+        try:
+            if kind == "scalar":
+                return [({}, float(result[1]))]
+            if kind != "vector" or not isinstance(result, list):
+                raise QueryFailed(FailureReason.PARSE_ERROR, f"unexpected resultType {kind!r}")
+            return [(dict(item.get("metric", {})), float(item["value"][1])) for item in result]
+        except (TypeError, KeyError, IndexError, ValueError) as exc:
+            raise QueryFailed(FailureReason.PARSE_ERROR, f"malformed result: {type(exc).__name__}") from None
+
+    def _scalar(self, name: str, now: float, required: bool) -> float | None:
+        """One value; ``None`` when empty or NaN and not required (else QueryFailed)."""
+        result = self.query(self.queries[name], now)
+        if not result:
+            if required:
+                raise QueryFailed(FailureReason.EMPTY, f"{name}: no series matched")
+            return None
+        value = sum(v for _, v in result)
+        if not math.isfinite(value):
+            if required:
+                raise QueryFailed(FailureReason.NAN, f"{name}: value is {value}")
+            return None
+        return value
+
+    def observe(self, now: float) -> ObserveResult:
+        try:
+            arrival = self._scalar("arrival_rate", now, required=True)
+            age = self._scalar("sample_age", now, required=True)
+            sd_present = self._scalar("sd_present", now, required=False) is not None
+            acceptance = positions = mean_draft = None
+            if sd_present:
+                acceptance = self._scalar("acceptance_rate", now, required=False)
+                mean_draft = self._scalar("mean_draft_tokens", now, required=False)
+                pos = self.query(self.queries["position_acceptance"], now)
+                if pos and all(math.isfinite(v) for _, v in pos):
+                    ordered = sorted(pos, key=lambda lv: int(lv[0].get("position", "0")))
+                    positions = tuple(min(max(v, 0.0), 1.0) for _, v in ordered)
+            return Observation(
+                time_s=now,
+                arrival_rate_rps=max(arrival, 0.0) if arrival is not None else None,
+                arrival_rate_long_rps=_nonneg(self._scalar("arrival_rate_long", now, required=False)),
+                acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
+                position_acceptance=positions,
+                mean_draft_tokens=mean_draft,
+                mean_prompt_tokens=self._scalar("mean_prompt_tokens", now, required=False),
+                mean_gen_tokens=self._scalar("mean_gen_tokens", now, required=False),
+                running=self._scalar("running", now, required=False),
+                waiting=self._scalar("waiting", now, required=False),
+                mean_e2e_latency_s=self._scalar("mean_e2e_latency", now, required=False),
+                sd_series_present=sd_present,
+                sample_age_s=max(age, 0.0) if age is not None else None,
+            )
+        except QueryFailed as exc:
+            return ObservationFailure(exc.reason, exc.detail)
+
+
+def _nonneg(v: float | None) -> float | None:
+    return None if v is None else max(v, 0.0)

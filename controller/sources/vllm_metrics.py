@@ -1,0 +1,266 @@
+"""Observe vLLM by scraping its /metrics directly; rates from successive scrapes.
+
+Parsing is prometheus-client's text parser. vLLM's counters reset at every restart (and every
+SD toggle is a restart): a counter that went down, appeared, or whose ``_created`` timestamp
+changed restarted from zero, so its increase over that interval is its new value, never a
+negative or a huge jump.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
+
+from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
+
+SUCCESS = "vllm:request_success"
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+PROMPT = "vllm:request_prompt_tokens"
+GENERATION = "vllm:request_generation_tokens"
+E2E = "vllm:e2e_request_latency_seconds"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+
+
+@dataclass
+class Snapshot:
+    """One scrape, summed over the series that belong to this controller's vLLM."""
+
+    time_s: float
+    counters: dict[str, float] = field(default_factory=dict)  # key -> value
+    created: dict[str, float] = field(default_factory=dict)  # key -> _created timestamp
+    gauges: dict[str, float] = field(default_factory=dict)
+    sd_present: bool = False
+
+
+def parse_snapshot(text: str, now: float, model_name: str | None = None) -> Snapshot:
+    """Parse exposition text into a Snapshot; ValueError on garbage."""
+    snap = Snapshot(now)
+    seen_vllm = False
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("vllm:"):
+            continue
+        seen_vllm = True
+        for s in family.samples:
+            if model_name is not None and s.labels.get("model_name") != model_name:
+                continue
+            value = float(s.value)
+            key = _key(family.name, s.name, s.labels)
+            if key is None:
+                continue
+            kind, k = key
+            if kind == "created":
+                snap.created[k] = min(snap.created.get(k, math.inf), value)
+            elif kind == "gauge":
+                snap.gauges[k] = snap.gauges.get(k, 0.0) + value
+            else:
+                snap.counters[k] = snap.counters.get(k, 0.0) + value
+            if family.name == DRAFTS:
+                snap.sd_present = True
+    if not seen_vllm:
+        raise ValueError("no vllm: metric families in the payload")
+    return snap
+
+
+def _key(family: str, sample: str, labels: dict[str, str]) -> tuple[str, str] | None:
+    if family.endswith("_created") and family != sample.removesuffix("_created"):
+        # vLLM declares each ``_created`` as a gauge family of its own (# TYPE x_created gauge).
+        base = family.removesuffix("_created")
+        inner = _key(base, base + "_total", labels) or _key(base, base + "_sum", labels)
+        return ("created", inner[1]) if inner else None
+    if family in (SUCCESS, DRAFTS, DRAFT_TOKENS, ACCEPTED):
+        if sample.endswith("_created"):
+            return "created", family
+        return ("counter", family) if sample.endswith("_total") else None
+    if family == ACCEPTED_PER_POS:
+        pos = labels.get("position", "?")
+        if sample.endswith("_created"):
+            return "created", f"{family}:{pos}"
+        return ("counter", f"{family}:{pos}") if sample.endswith("_total") else None
+    if family in (PROMPT, GENERATION, E2E):
+        for suffix in ("_sum", "_count"):
+            if sample == family + suffix:
+                return "counter", sample
+        if sample == family + "_created":
+            return "created", family + "_sum"
+        return None
+    if family in (RUNNING, WAITING):
+        return "gauge", family
+    return None
+
+
+def _restarted(prev: Snapshot, cur: Snapshot, key: str) -> bool:
+    # Histograms carry one _created for _sum and _count (stored under the _sum key).
+    created_key = key[: -len("_count")] + "_sum" if key.endswith("_count") else key
+    if key not in prev.counters:
+        return True
+    if cur.counters[key] < prev.counters[key]:
+        return True
+    c_prev, c_cur = prev.created.get(created_key), cur.created.get(created_key)
+    return c_prev is not None and c_cur is not None and abs(c_cur - c_prev) > 1e-6
+
+
+def increase(history: list[Snapshot], key: str) -> float | None:
+    """Counter increase across the snapshots, reset-aware; None if absent at the end."""
+    if key not in history[-1].counters:
+        return None
+    total = 0.0
+    for prev, cur in zip(history, history[1:], strict=False):
+        if key not in cur.counters:
+            continue
+        total += cur.counters[key] if _restarted(prev, cur, key) else cur.counters[key] - prev.counters[key]
+    return total
+
+
+class VllmMetricsSource:
+    """Scrapes vLLM's /metrics (or any callable returning exposition text) once per observe."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        fetch: Callable[[], str] | None = None,
+        model_name: str | None = None,
+        rate_window_s: float = 60.0,
+        acceptance_window_s: float = 300.0,
+        long_window_s: float = 900.0,
+        timeout_s: float = 5.0,
+        session: requests.Session | None = None,
+    ) -> None:
+        if (url is None) == (fetch is None):
+            raise ValueError("give exactly one of url or fetch")
+        self.url = url
+        self._fetch = fetch or self._http_fetch
+        self.model_name = model_name
+        self.rate_window_s = rate_window_s
+        self.acceptance_window_s = acceptance_window_s
+        self.long_window_s = long_window_s
+        self.timeout_s = timeout_s
+        self._session = session or requests.Session()
+        self._history: deque[Snapshot] = deque()
+
+    @retry(
+        retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout)),
+        stop=stop_after_attempt(2),
+        wait=wait_fixed(0.5),
+        reraise=True,
+    )
+    def _http_fetch(self) -> str:
+        assert self.url is not None
+        resp = self._session.get(self.url, timeout=self.timeout_s)
+        if resp.status_code != 200:
+            raise _HttpStatus(resp.status_code)
+        return resp.text
+
+    def observe(self, now: float) -> ObserveResult:
+        try:
+            text = self._fetch()
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            return ObservationFailure(FailureReason.UNREACHABLE, f"{self.url}: {type(exc).__name__}")
+        except _HttpStatus as exc:
+            return ObservationFailure(FailureReason.HTTP_ERROR, f"{self.url}: HTTP {exc.status}")
+        try:
+            snap = parse_snapshot(text, now, self.model_name)
+        except Exception as exc:  # the parser raises several types on garbage
+            return ObservationFailure(FailureReason.PARSE_ERROR, f"{self.url or 'metrics'}: {type(exc).__name__}: {exc}"[:200])
+        values = [*snap.counters.values(), *snap.gauges.values()]
+        if not all(math.isfinite(v) for v in values):
+            # Keep NaN out of the history, or it would poison every window it is in.
+            return ObservationFailure(FailureReason.NAN, "non-finite value in /metrics")
+        if self._history and now <= self._history[-1].time_s:
+            self._history.clear()  # clock went backwards: start over rather than divide by <= 0
+        self._history.append(snap)
+        horizon = max(self.rate_window_s, self.acceptance_window_s, self.long_window_s)
+        while len(self._history) > 2 and self._history[1].time_s <= now - horizon:
+            self._history.popleft()
+        return self._observation(now)
+
+    def _window(self, now: float, window_s: float) -> list[Snapshot]:
+        """Snapshots covering the last ``window_s``: from the newest one at or before its start."""
+        hist = list(self._history)
+        start = 0
+        for i, s in enumerate(hist):
+            if s.time_s <= now - window_s + 1e-9:
+                start = i
+        return hist[start:]
+
+    def _rate(self, now: float, window_s: float, key: str) -> float | None:
+        win = self._window(now, window_s)
+        if len(win) < 2:
+            return None
+        inc = increase(win, key)
+        dt = win[-1].time_s - win[0].time_s
+        return None if inc is None or dt <= 0 else inc / dt
+
+    def _ratio(self, now: float, window_s: float, num: str, den: str) -> float | None:
+        win = self._window(now, window_s)
+        if len(win) < 2:
+            return None
+        a, b = increase(win, num), increase(win, den)
+        if a is None or b is None or b <= 0:
+            return None
+        return a / b
+
+    def _arrival(self, now: float, window_s: float) -> float | None:
+        """Completions per second plus the growth of the running and waiting queues."""
+        done = self._rate(now, window_s, SUCCESS)
+        if done is None:
+            return None
+        win = self._window(now, window_s)
+        first, last = win[0], win[-1]
+        queued = sum(last.gauges.get(g, 0.0) - first.gauges.get(g, 0.0) for g in (RUNNING, WAITING))
+        return max(done + queued / (last.time_s - first.time_s), 0.0)
+
+    def _observation(self, now: float) -> ObserveResult:
+        if len(self._history) < 2:
+            return ObservationFailure(FailureReason.WARMING_UP, "need two scrapes for a rate")
+        cur = self._history[-1]
+        if SUCCESS not in cur.counters:
+            return ObservationFailure(FailureReason.EMPTY, "vllm:request_success_total not exported")
+        arrival = self._arrival(now, self.rate_window_s)
+        long_span = now - self._history[0].time_s
+        arrival_long = self._arrival(now, self.long_window_s) if long_span >= 2 * self.rate_window_s else None
+        aw = self.acceptance_window_s
+        acceptance = positions = mean_draft = None
+        if cur.sd_present:
+            acceptance = self._ratio(now, aw, ACCEPTED, DRAFT_TOKENS)
+            mean_draft = self._ratio(now, aw, DRAFT_TOKENS, DRAFTS)
+            pos_keys = sorted(
+                (k for k in cur.counters if k.startswith(ACCEPTED_PER_POS + ":")),
+                key=lambda k: int(k.rsplit(":", 1)[1]) if k.rsplit(":", 1)[1].isdigit() else 0,
+            )
+            per_pos = [self._ratio(now, aw, k, DRAFTS) for k in pos_keys]
+            if per_pos and all(p is not None for p in per_pos):
+                positions = tuple(min(max(p, 0.0), 1.0) for p in per_pos)  # type: ignore[arg-type]
+        try:
+            return Observation(
+                time_s=now,
+                arrival_rate_rps=arrival,
+                arrival_rate_long_rps=arrival_long,
+                acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
+                position_acceptance=positions,
+                mean_draft_tokens=mean_draft,
+                mean_prompt_tokens=self._ratio(now, aw, PROMPT + "_sum", PROMPT + "_count"),
+                mean_gen_tokens=self._ratio(now, aw, GENERATION + "_sum", GENERATION + "_count"),
+                running=cur.gauges.get(RUNNING),
+                waiting=cur.gauges.get(WAITING),
+                mean_e2e_latency_s=self._ratio(now, aw, E2E + "_sum", E2E + "_count"),
+                sd_series_present=cur.sd_present,
+                sample_age_s=0.0,
+            )
+        except ValueError as exc:  # NaN or inf in the payload
+            return ObservationFailure(FailureReason.NAN, str(exc))
+
+
+class _HttpStatus(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status

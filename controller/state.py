@@ -1,0 +1,106 @@
+"""The controller's durable state: pure values, (de)serialized to a dict for the state file.
+
+It holds what must survive a controller restart: the applied config, when it last changed (so
+the dwell holds), a change still pending, the failure backoff, and the last measured acceptance
+(vLLM exports none while SD is off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PendingChange:
+    """A change issued to the hook and not yet confirmed."""
+
+    enabled: bool
+    draft_length: int | None
+    issued_at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    applied_enabled: bool | None = None  # None until the hook or the metrics tell
+    applied_draft_length: int | None = None
+    last_change_at: float | None = None  # when the last change was confirmed applied
+    pending: PendingChange | None = None
+    consecutive_failures: int = 0
+    retry_not_before: float | None = None
+    low_acceptance_since: float | None = None
+    floor_tripped_at: float | None = None
+    last_acceptance_rate: float | None = None  # vLLM-style, as last measured
+    last_alpha: float | None = None  # per-token α derived from it
+    last_acceptance_at: float | None = None
+    last_prompt_tokens: float | None = None
+    last_gen_tokens: float | None = None
+    restart_durations_s: tuple[float, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["restart_durations_s"] = list(self.restart_durations_s)
+        return {"version": STATE_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> ControllerState:
+        """Rebuild from a state file's dict; ValueError (one line) if anything is off."""
+        if not isinstance(raw, dict):
+            raise ValueError("top level is not an object")
+        if raw.get("version") != STATE_VERSION:
+            raise ValueError(f"version {raw.get('version')!r} is not {STATE_VERSION}")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(raw) - set(known) - {"version"}
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name, value in raw.items():
+            if name == "version":
+                continue
+            if name == "pending":
+                values[name] = _pending(value)
+            elif name == "restart_durations_s":
+                if not isinstance(value, list) or not all(_finite(v) and v >= 0 for v in value):
+                    raise ValueError("restart_durations_s must be a list of non-negative numbers")
+                values[name] = tuple(float(v) for v in value)
+            elif name in ("applied_enabled",):
+                if value is not None and not isinstance(value, bool):
+                    raise ValueError(f"{name} must be true, false or null")
+                values[name] = value
+            elif name in ("applied_draft_length", "consecutive_failures"):
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                    raise ValueError(f"{name} must be a non-negative integer")
+                values[name] = value
+            else:
+                if value is not None and not _finite(value):
+                    raise ValueError(f"{name} must be a finite number or null")
+                values[name] = None if value is None else float(value)
+        if values.get("consecutive_failures") is None:
+            values.pop("consecutive_failures", None)
+        return cls(**values)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _pending(value: Any) -> PendingChange | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("pending must be an object or null")
+    try:
+        enabled, issued_at = value["enabled"], value["issued_at"]
+        draft_length, reason = value.get("draft_length"), value.get("reason", "")
+    except KeyError as exc:
+        raise ValueError(f"pending lacks {exc.args[0]}") from None
+    if not isinstance(enabled, bool) or not _finite(issued_at):
+        raise ValueError("pending.enabled must be a boolean and pending.issued_at a number")
+    if draft_length is not None and (not isinstance(draft_length, int) or draft_length < 1):
+        raise ValueError("pending.draft_length must be a positive integer or null")
+    return PendingChange(enabled, draft_length, float(issued_at), str(reason))

@@ -1,0 +1,57 @@
+"""Where :class:`~controller.state.ControllerState` lives between ticks and across restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import structlog
+
+from controller.atomic import write_json_atomic
+from controller.state import ControllerState
+
+log = structlog.get_logger("sd_controller.state")
+
+
+class MemoryStateStore:
+    """For tests, simulations and backtests."""
+
+    def __init__(self, state: ControllerState | None = None) -> None:
+        self.state = state or ControllerState()
+
+    def load(self) -> ControllerState:
+        return self.state
+
+    def save(self, state: ControllerState) -> None:
+        self.state = state
+
+
+class FileStateStore:
+    """A JSON file written atomically (temp file + fsync + rename).
+
+    A corrupt file is reported and set aside (renamed ``*.corrupt-<time>``), never silently
+    trusted: the controller starts fresh and learns the applied state from the hook.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.set_aside: Path | None = None
+
+    def load(self) -> ControllerState:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return ControllerState()
+        try:
+            return ControllerState.from_dict(json.loads(text))
+        except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            os.replace(self.path, aside)
+            self.set_aside = aside
+            log.error("state_file_corrupt", path=str(self.path), moved_to=str(aside), error=str(exc)[:200])
+            return ControllerState()
+
+    def save(self, state: ControllerState) -> None:
+        write_json_atomic(self.path, state.to_dict())

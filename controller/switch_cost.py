@@ -1,0 +1,101 @@
+"""Pricing a switch: what a restart costs and what the new state gains, in request-seconds.
+
+Pure functions. Every toggle restarts vLLM: for ``downtime_s`` the replica serves nothing and
+its arrivals queue up. With arrival rate λ, downtime D and capacity μ after the switch,
+a single replica pays about λ·D²/2 request-seconds of waiting during the outage plus
+(λ·D)²/(2·(μ − λ)) to work the backlog off, and the queue never clears when μ ≤ λ.
+Behind a router with N replicas the others absorb the load: the cost is their latency at
+N/(N−1) times the rate, and a backlog only if that exceeds their capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from statistics import median
+
+LatencyAt = Callable[[float], float]  # rate -> mean time in system (s), +inf when overloaded
+
+
+def backlog_cost(rate_rps: float, downtime_s: float, capacity_rps: float) -> float:
+    """Request-seconds lost to an outage of ``downtime_s`` at ``rate_rps`` (one server)."""
+    if rate_rps <= 0 or downtime_s <= 0:
+        return 0.0
+    if capacity_rps <= rate_rps:
+        return math.inf
+    backlog = rate_rps * downtime_s
+    return rate_rps * downtime_s**2 / 2.0 + backlog**2 / (2.0 * (capacity_rps - rate_rps))
+
+
+def switch_cost(
+    rate_rps: float,
+    downtime_s: float,
+    capacity_new_rps: float,
+    replicas: int = 1,
+    capacity_current_rps: float | None = None,
+    latency_current: LatencyAt | None = None,
+) -> float:
+    """Cost of one restart in request-seconds (+inf when the backlog would never clear).
+
+    ``rate_rps`` is this replica's arrival rate. With ``replicas`` > 1 the other replicas
+    (running the current config) take this one's share during the restart.
+    """
+    if replicas <= 1 or capacity_current_rps is None or latency_current is None:
+        return backlog_cost(rate_rps, downtime_s, capacity_new_rps)
+    n = replicas
+    shifted = rate_rps * n / (n - 1)
+    if shifted < capacity_current_rps:
+        # Every request of the fleet during the restart sees the others' higher latency.
+        extra = latency_current(shifted) - latency_current(rate_rps)
+        return n * rate_rps * downtime_s * max(extra, 0.0)
+    # The others saturate: the excess queues like an outage of the fleet's spare capacity.
+    excess = n * rate_rps - (n - 1) * capacity_current_rps
+    spare_after = n * (capacity_new_rps - rate_rps)
+    if spare_after <= 0:
+        return math.inf
+    return excess * downtime_s**2 / 2.0 + (excess * downtime_s) ** 2 / (2.0 * spare_after)
+
+
+def switch_gain(
+    rate_rps: float,
+    horizon_s: float,
+    latency_current_s: float,
+    latency_new_s: float,
+    capacity_current_rps: float,
+    capacity_new_rps: float,
+) -> float:
+    """Request-seconds saved over ``horizon_s`` by being in the new state (negative: lost).
+
+    Overload is decisive: leaving an overloaded state is worth anything (+inf), entering one
+    costs everything (−inf); if both are overloaded the larger capacity wins.
+    """
+    cur_over, new_over = math.isinf(latency_current_s), math.isinf(latency_new_s)
+    if cur_over and new_over:
+        return math.inf if capacity_new_rps > capacity_current_rps else -math.inf
+    if new_over:
+        return -math.inf
+    if cur_over:
+        return math.inf
+    return rate_rps * horizon_s * (latency_current_s - latency_new_s)
+
+
+def projected_rate(
+    short_rps: float, long_rps: float | None, short_window_s: float, long_window_s: float, ahead_s: float
+) -> float:
+    """Rate expected ``ahead_s`` from now, by the trend between the short and long windows.
+
+    The two windows' averages sit at their centres, (long − short)/2 apart; the slope between
+    them is extrapolated, never below zero and never beyond twice the current rate plus one
+    request per second (a forecast from two points must not run away).
+    """
+    if long_rps is None or long_window_s <= short_window_s:
+        return short_rps
+    slope = (short_rps - long_rps) / ((long_window_s - short_window_s) / 2.0)
+    ahead = short_rps + slope * ahead_s
+    return min(max(ahead, 0.0), 2.0 * short_rps + 1.0)
+
+
+def downtime_estimate(measured_s: Sequence[float], default_s: float, keep: int = 10) -> float:
+    """Rolling restart-downtime estimate: median of the last ``keep`` measured, else the default."""
+    recent = [d for d in measured_s if d > 0 and math.isfinite(d)][-keep:]
+    return median(recent) if recent else default_s

@@ -1,0 +1,295 @@
+"""The decision state machine, table-tested on virtual time (no clock, no I/O)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from controller.assessment import AcceptanceEstimate, AcceptanceSource, Assessment
+from controller.hooks.base import HookPhase, HookStatus
+from controller.model import Workload
+from controller.observation import FailureReason, Observation, ObservationFailure
+from controller.policy import (
+    Action,
+    ControllerPhase,
+    Reason,
+    begin_request,
+    decide,
+    reconcile,
+    record_request,
+)
+from controller.settings import OverrideMode, Settings
+from controller.state import ControllerState, PendingChange
+
+T0 = 1_000_000.0
+S = Settings(calibration_file="example", price_switches=False)
+PRICED = Settings(calibration_file="example", price_switches=True, switch_margin=2.0)
+AUTO = OverrideMode.AUTO
+
+
+def obs(t=T0, rate=5.0, **kw):
+    return Observation(time_s=t, arrival_rate_rps=rate, sample_age_s=0.0, **kw)
+
+
+def assessment(speedup=1.5, acc=0.7, source=AcceptanceSource.MEASURED, gain=100.0, cost=10.0):
+    return Assessment(
+        arrival_rate_rps=5.0, projected_rate_rps=5.0,
+        acceptance=AcceptanceEstimate(acc, 0.75, source, 0.0),
+        workload=Workload(512, 256), draft_length=4, best_draft_length=4,
+        predicted_speedup=speedup, decision_speedup=speedup,
+        latency_off_s=2.0, latency_on_s=2.0 / speedup if speedup > 0 else math.inf,
+        batch_off=10.0, batch_on=6.0, stability_limit_off_rps=16.0, stability_limit_on_rps=13.0,
+        break_even_rate_rps=10.0, restart_downtime_s=90.0,
+        switch_cost_request_s=cost, projected_gain_request_s=gain,
+    )  # fmt: skip
+
+
+def on_state(**kw):
+    base = dict(applied_enabled=True, applied_draft_length=4, last_change_at=T0 - 3600)
+    base.update(kw)
+    return ControllerState(**base)
+
+
+def off_state(**kw):
+    return on_state(applied_enabled=False, applied_draft_length=None, **kw)
+
+
+# --- hysteresis thresholds: every edge -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("enabled", "speedup", "action", "reason"),
+    [
+        (True, 1.0499, Action.DISABLE, Reason.SPEEDUP_LOW),
+        (True, 1.05, Action.NONE, Reason.STEADY),  # not below
+        (True, 1.10, Action.NONE, Reason.STEADY),
+        (True, 1.25, Action.NONE, Reason.STEADY),  # already on
+        (True, 0.0, Action.DISABLE, Reason.SPEEDUP_LOW),  # SD overloaded
+        (False, 1.20, Action.NONE, Reason.STEADY),  # not above
+        (False, 1.2001, Action.ENABLE, Reason.SPEEDUP_HIGH),
+        (False, 1.10, Action.NONE, Reason.STEADY),
+        (False, 1.0, Action.NONE, Reason.STEADY),
+        (False, math.inf, Action.ENABLE, Reason.SPEEDUP_HIGH),  # only SD keeps up
+    ],
+)
+def test_thresholds(enabled, speedup, action, reason):
+    state = on_state() if enabled else off_state()
+    d, _ = decide(S, state, obs(), assessment(speedup), AUTO, T0)
+    assert (d.action, d.reason) == (action, reason)
+    if d.acts:
+        assert d.desired_enabled is (not enabled)
+        assert d.draft_length == (4 if d.desired_enabled else None)
+
+
+def test_thresholds_are_configurable():
+    s = Settings(calibration_file="example", price_switches=False, enable_threshold=1.5, disable_threshold=1.3)
+    d, _ = decide(s, on_state(), obs(), assessment(1.29), AUTO, T0)
+    assert d.action is Action.DISABLE
+    d, _ = decide(s, off_state(), obs(), assessment(1.45), AUTO, T0)
+    assert d.action is Action.NONE
+
+
+# --- dwell ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("since", "action"), [(0, Action.NONE), (299.9, Action.NONE), (300.0, Action.DISABLE), (301, Action.DISABLE)])
+def test_dwell(since, action):
+    state = on_state(last_change_at=T0 - since)
+    d, _ = decide(S, state, obs(), assessment(0.9), AUTO, T0)
+    assert d.action is action
+    if action is Action.NONE:
+        assert d.reason is Reason.DWELL
+
+
+# --- pending lock, confirmation, timeout, backoff -------------------------------------------
+
+
+def test_pending_lock_holds_and_confirmation_releases_it():
+    d, state = decide(S, on_state(), obs(), assessment(0.9), AUTO, T0)
+    assert d.action is Action.DISABLE
+    state = begin_request(state, d, T0)
+    state, ev = record_request(state, S, True, T0)
+    assert state.pending == PendingChange(False, None, T0, Reason.SPEEDUP_LOW.value)
+    # While restarting: locked, whatever the prediction says.
+    state, ev = reconcile(state, HookStatus(HookPhase.RESTARTING, applied_enabled=True), S, T0 + 60)
+    assert ev == ()
+    d, state = decide(S, state, obs(), assessment(3.0), AUTO, T0 + 60)
+    assert (d.action, d.reason, d.phase) == (Action.NONE, Reason.PENDING, ControllerPhase.PENDING)
+    # Confirmed: applied flips, the dwell clock starts now.
+    state, ev = reconcile(state, HookStatus(HookPhase.READY, applied_enabled=False, restart_durations_s=(75.0,)), S, T0 + 120)
+    assert ev == ("change_confirmed:off",)
+    assert state.applied_enabled is False and state.pending is None and state.last_change_at == T0 + 120
+    assert state.restart_durations_s == (75.0,)
+    d, state = decide(S, state, obs(), assessment(3.0), AUTO, T0 + 120 + 299)
+    assert d.reason is Reason.DWELL
+    d, state = decide(S, state, obs(), assessment(3.0), AUTO, T0 + 120 + 300)
+    assert d.action is Action.ENABLE
+
+
+def test_pending_timeout_fails_with_doubling_backoff():
+    state = on_state(pending=PendingChange(False, None, T0, "x"))
+    state, ev = reconcile(state, HookStatus(HookPhase.RESTARTING), S, T0 + S.pending_timeout_s)
+    assert ev == () and state.pending is not None  # exactly at the timeout: still pending
+    state, ev = reconcile(state, HookStatus(HookPhase.RESTARTING), S, T0 + S.pending_timeout_s + 1)
+    assert ev == ("change_failed:timeout",)
+    assert state.pending is None and state.consecutive_failures == 1
+    t_fail = T0 + S.pending_timeout_s + 1
+    assert state.retry_not_before == t_fail + S.failure_backoff_s
+    d, state = decide(S, state, obs(), assessment(0.9), AUTO, t_fail + 10)
+    assert (d.action, d.reason, d.phase) == (Action.NONE, Reason.BACKOFF, ControllerPhase.FAILED)
+    d, state2 = decide(S, state, obs(), assessment(0.9), AUTO, t_fail + S.failure_backoff_s)
+    assert d.action is Action.DISABLE
+    # A second failure doubles the wait; the cap holds.
+    state2, _ = record_request(begin_request(state2, d, t_fail + 300), S, False, t_fail + 300)
+    assert state2.consecutive_failures == 2
+    assert state2.retry_not_before == t_fail + 300 + 2 * S.failure_backoff_s
+    many = dataclasses.replace(state2, consecutive_failures=20)
+    many, _ = record_request(many, S, False, T0)
+    assert many.retry_not_before == T0 + S.failure_backoff_max_s
+
+
+def test_hook_reported_failure_keeps_old_state():
+    state = on_state(pending=PendingChange(False, None, T0, "x"))
+    state, ev = reconcile(state, HookStatus(HookPhase.FAILED, applied_enabled=True, last_error="not ready"), S, T0 + 30)
+    assert ev == ("change_failed:hook_reported_failure",)
+    assert state.applied_enabled is True and state.pending is None
+
+
+def test_success_resets_failures():
+    state = on_state(pending=PendingChange(False, None, T0, "x"), consecutive_failures=3, retry_not_before=T0)
+    state, _ = reconcile(state, HookStatus(HookPhase.READY, applied_enabled=False), S, T0 + 90)
+    assert state.consecutive_failures == 0 and state.retry_not_before is None
+
+
+def test_external_change_is_adopted_and_starts_the_dwell():
+    state, ev = reconcile(on_state(), HookStatus(HookPhase.READY, applied_enabled=False), S, T0)
+    assert ev == ("external_change:off",)
+    assert state.applied_enabled is False and state.last_change_at == T0
+    d, _ = decide(S, state, obs(), assessment(3.0), AUTO, T0 + 10)
+    assert d.reason is Reason.DWELL
+
+
+def test_first_start_learns_applied_state_without_dwell():
+    state, ev = reconcile(ControllerState(), HookStatus(HookPhase.READY, applied_enabled=True, applied_draft_length=4), S, T0)
+    assert ev == () and state.applied_enabled is True and state.last_change_at is None
+    d, _ = decide(S, state, obs(), assessment(0.5), AUTO, T0)
+    assert d.action is Action.DISABLE
+
+
+def test_unknown_applied_state_holds_until_metrics_tell():
+    d, _ = decide(S, ControllerState(), obs(), assessment(0.5), AUTO, T0)
+    assert d.reason is Reason.APPLIED_UNKNOWN
+    d, state = decide(S, ControllerState(), obs(sd_series_present=True), assessment(0.5), AUTO, T0)
+    assert state.applied_enabled is True and d.action is Action.DISABLE
+
+
+# --- missing, NaN, stale data: hold, never zero ----------------------------------------------
+
+
+@pytest.mark.parametrize("reason", list(FailureReason))
+def test_failed_observation_holds(reason):
+    d, state = decide(S, on_state(), ObservationFailure(reason, "x"), None, AUTO, T0)
+    assert (d.action, d.reason, d.detail) == (Action.NONE, Reason.OBSERVATION, reason.value)
+    assert state.applied_enabled is True
+
+
+def test_stale_and_incomplete_observations_hold():
+    stale = Observation(time_s=T0, arrival_rate_rps=0.0, sample_age_s=S.max_observation_age_s + 1)
+    d, _ = decide(S, on_state(), stale, assessment(0.0), AUTO, T0)
+    assert (d.reason, d.detail) == (Reason.OBSERVATION, "stale")
+    missing = Observation(time_s=T0, arrival_rate_rps=None, sample_age_s=0.0)
+    d, _ = decide(S, on_state(), missing, None, AUTO, T0)
+    assert d.detail == "incomplete"
+
+
+def test_nan_cannot_enter_an_observation():
+    with pytest.raises(ValueError):
+        Observation(time_s=T0, arrival_rate_rps=float("nan"))
+
+
+# --- acceptance floor ----------------------------------------------------------------------
+
+
+def test_acceptance_floor_disables_after_the_window_whatever_the_model_says():
+    state = on_state()
+    low = assessment(speedup=2.0, acc=0.3)
+    events = []
+    for i in range(11):  # a tick a minute: t = 0 .. 600
+        d, state = decide(S, state, obs(), low, AUTO, T0 + 60 * i)
+        events.extend(d.events)
+        if i < 10:
+            assert d.action is Action.NONE, i
+    assert (d.action, d.reason) == (Action.DISABLE, Reason.ACCEPTANCE_FLOOR)
+    assert events == ["acceptance_floor_tripped"]  # notified once
+
+
+def test_acceptance_floor_resets_on_recovery_and_ignores_missing_ticks():
+    state = on_state()
+    _, state = decide(S, state, obs(), assessment(2.0, acc=0.3), AUTO, T0)
+    _, state = decide(S, state, ObservationFailure(FailureReason.UNREACHABLE), None, AUTO, T0 + 300)
+    assert state.low_acceptance_since == T0  # a missing tick neither trips nor resets
+    _, state = decide(S, state, obs(), assessment(2.0, acc=0.5), AUTO, T0 + 360)
+    assert state.low_acceptance_since is None
+    d, _ = decide(S, state, obs(), assessment(2.0, acc=0.3), AUTO, T0 + 660)
+    assert d.action is Action.NONE
+
+
+def test_floor_ignores_last_or_prior_acceptance():
+    d, state = decide(S, off_state(), obs(), assessment(1.1, acc=0.1, source=AcceptanceSource.LAST), AUTO, T0)
+    assert state.low_acceptance_since is None and d.action is Action.NONE
+
+
+def test_measured_acceptance_is_remembered_for_when_sd_is_off():
+    _, state = decide(S, on_state(), obs(mean_prompt_tokens=300.0, mean_gen_tokens=100.0), assessment(1.5, acc=0.66), AUTO, T0)
+    assert (state.last_acceptance_rate, state.last_alpha, state.last_acceptance_at) == (0.66, 0.75, T0)
+    assert (state.last_prompt_tokens, state.last_gen_tokens) == (300.0, 100.0)
+
+
+# --- operator override --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "state", "action", "reason"),
+    [
+        (OverrideMode.OFF, on_state(last_change_at=T0 - 10), Action.DISABLE, Reason.OVERRIDE),  # ignores dwell
+        (OverrideMode.ON, off_state(), Action.ENABLE, Reason.OVERRIDE),
+        (OverrideMode.ON, on_state(), Action.NONE, Reason.ALREADY_APPLIED),
+        (OverrideMode.OFF, on_state(pending=PendingChange(True, 4, T0, "x")), Action.NONE, Reason.PENDING),
+        (OverrideMode.OFF, on_state(retry_not_before=T0 + 5, consecutive_failures=1), Action.NONE, Reason.BACKOFF),
+    ],
+)
+def test_override(mode, state, action, reason):
+    # Even with no usable observation the override applies.
+    d, _ = decide(S, state, ObservationFailure(FailureReason.UNREACHABLE), None, mode, T0)
+    assert (d.action, d.reason, d.phase) == (action, reason, ControllerPhase.OVERRIDE)
+
+
+# --- the switch-cost gate -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gain", "cost", "action"),
+    [
+        (100.0, 10.0, Action.DISABLE),  # gain > 2 × cost
+        (20.0, 10.0, Action.NONE),  # not by the margin
+        (math.inf, math.inf, Action.DISABLE),  # leaving an overloaded state is always worth it
+        (5.0, math.inf, Action.NONE),  # the backlog would never clear
+        (-math.inf, 1.0, Action.NONE),  # entering an overloaded state
+    ],
+)
+def test_switch_cost_gate(gain, cost, action):
+    d, _ = decide(PRICED, on_state(), obs(), assessment(0.9, gain=gain, cost=cost), AUTO, T0)
+    assert d.action is action
+    if action is Action.NONE:
+        assert d.reason is Reason.SWITCH_COST
+
+
+def test_acceptance_floor_is_not_priced():
+    state = on_state(low_acceptance_since=T0 - 600)
+    d, _ = decide(PRICED, state, obs(), assessment(2.0, acc=0.2, gain=-5.0, cost=1e9), AUTO, T0)
+    assert d.reason is Reason.ACCEPTANCE_FLOOR and d.action is Action.DISABLE
+
+
+def test_thresholds_stay_necessary_with_the_gate():
+    d, _ = decide(PRICED, on_state(), obs(), assessment(1.1, gain=1e9, cost=0.0), AUTO, T0)
+    assert d.action is Action.NONE and d.reason is Reason.STEADY
