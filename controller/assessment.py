@@ -38,6 +38,12 @@ def estimate_acceptance(
     """Measured if SD counters moved this window; else the last one if young enough; else prior."""
     if obs.acceptance_rate is not None:
         en = obs.accepted_length
+        if en is not None and obs.mean_draft_tokens:
+            # Per-position counters must agree with the totals (Σ per position = accepted);
+            # if they do not (a partial scrape, an exporter bug), trust the totals.
+            en_total = 1.0 + obs.acceptance_rate * obs.mean_draft_tokens
+            if abs(en - en_total) > 0.05 * en_total:
+                en = None
         if en is not None and obs.position_acceptance:
             # Per-position counters give E[N] exactly; α is what reproduces it at that γ.
             gamma = len(obs.position_acceptance)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
+import requests
 
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
 from controller.model import LatencyModel, StepCost
@@ -60,7 +61,7 @@ class Phase(StrEnum):
     DOWN = "down"  # process restarting: nothing served
 
 
-class SimulatorDown(ConnectionError):
+class SimulatorDown(requests.ConnectionError):
     """/metrics is unreachable: the simulated vLLM is restarting."""
 
 
@@ -468,9 +469,8 @@ class Engine:
         else:
             tok = d
         fin = (d > 0) & (tok >= need) | (need <= 0) & (run[:, PF] <= 0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            frac = np.where(fin, np.where(tok > 0, np.minimum(need / tok, 1.0), 0.0), 1.0)
-        steps = d * frac
+        frac = np.divide(need, tok, out=np.zeros(b), where=fin & (tok > 0))
+        steps = np.where(fin, d * np.minimum(frac, 1.0), d)
         made = np.where(fin, np.maximum(need, 0.0), tok)
         total_steps = float(steps.sum())
         c.gen_tokens += float(made.sum())
@@ -481,10 +481,12 @@ class Engine:
             c.drafts += total_steps
             c.draft_tokens += g * total_steps
             c.accepted += accepted
-            w = steps @ (run[:, ALPHA][:, None] ** np.arange(1, g + 1)[None, :])
+            # Per position k, P(accepted) = α^(k+1); weight by the steps each request made.
+            a_mean = float(steps @ run[:, ALPHA]) / total_steps
+            w = a_mean ** np.arange(1, g + 1)
             ws = float(w.sum())
             if ws > 0:
-                c.per_pos[: len(w)] += w * (accepted / ws)
+                c.per_pos[:g] += w * (accepted / ws)
         run[:, DONE] += np.where(fin, 0.0, made)
         if fin.any():
             done_rows = run[fin]
@@ -551,6 +553,10 @@ class Engine:
         prompt and generated tokens, SD on (1/0). Columns ``F_*``."""
         self._flush()
         return np.concatenate(self._finished) if self._finished else np.empty((0, 7))
+
+    def pending_arrivals(self) -> np.ndarray:
+        """Arrival times of the requests running or waiting now."""
+        return np.concatenate([self._run[:, ARR], self._q[self._q_head : self._q_tail, Q_ARR]])
 
     def lost_arrivals(self) -> np.ndarray:
         """Arrival times of the requests aborted by restarts."""

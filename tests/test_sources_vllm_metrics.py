@@ -1,0 +1,132 @@
+"""Scraping vLLM's /metrics directly: rates across resets, acceptance, faults (real HTTP)."""
+
+import time
+
+import pytest
+
+from controller.observation import FailureReason, Observation, ObservationFailure
+from controller.sources.vllm_metrics import VllmMetricsSource, parse_snapshot
+from tests.support.fake_vllm import FakeVllmServer
+
+FIXTURES = "tests/fixtures/vllm-0.32-cpu"
+
+
+class Clock:
+    def __init__(self, t=1_800_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_parses_real_capture():
+    snap = parse_snapshot(open(f"{FIXTURES}/metrics-sd-ngram-k4.txt").read(), 0.0)
+    assert snap.sd_present
+    assert snap.counters["vllm:spec_decode_num_accepted_tokens"] == 216
+    assert snap.counters["vllm:spec_decode_num_accepted_tokens_per_pos:0"] == 104
+    assert snap.counters["vllm:request_success"] == 8  # summed over finished_reason
+    off = parse_snapshot(open(f"{FIXTURES}/metrics-sd-off.txt").read(), 0.0)
+    assert not off.sd_present and "vllm:spec_decode_num_drafts" not in off.counters
+
+
+def test_model_name_filter_and_garbage():
+    text = open(f"{FIXTURES}/metrics-sd-off.txt").read()
+    assert parse_snapshot(text, 0.0, model_name="other").counters == {}
+    with pytest.raises(ValueError):
+        parse_snapshot("hello world\n", 0.0)
+
+
+def advance_sd(fake, n=30, gen=128):
+    # 30 requests of 128 tokens; 4 positions accepted 0.8, 0.6, 0.4, 0.2 of 1000 drafts.
+    fake.advance(
+        requests=n, prompt_tokens=n * 500, gen_tokens=n * gen, drafts=1000, draft_tokens=4000,
+        accepted_tokens=2000, accepted_per_pos=[800, 600, 400, 200], e2e_latency_s=2.0,
+    )  # fmt: skip
+
+
+def test_rates_acceptance_and_positions_over_http():
+    clock = Clock()
+    with FakeVllmServer(clock=clock) as fake:
+        src = VllmMetricsSource(url=fake.metrics_url, rate_window_s=60, acceptance_window_s=300)
+        first = src.observe(clock())
+        assert isinstance(first, ObservationFailure) and first.reason is FailureReason.WARMING_UP
+        clock.t += 60
+        advance_sd(fake)
+        fake.set_gauges(running=6, waiting=0)
+        o = src.observe(clock())
+        assert isinstance(o, Observation)
+        # 30 completions + 6 more running over 60 s
+        assert o.arrival_rate_rps == pytest.approx((30 + 6) / 60)
+        assert o.acceptance_rate == pytest.approx(0.5)
+        assert o.position_acceptance == pytest.approx((0.8, 0.6, 0.4, 0.2))
+        assert o.accepted_length == pytest.approx(3.0)
+        assert o.mean_draft_tokens == pytest.approx(4.0)
+        assert o.mean_prompt_tokens == pytest.approx(500)
+        assert o.mean_gen_tokens == pytest.approx(128)
+        assert o.mean_e2e_latency_s == pytest.approx(2.0)
+        assert o.sd_series_present is True and o.running == 6
+
+
+def test_counter_reset_gives_no_negative_or_huge_rate():
+    clock = Clock()
+    with FakeVllmServer(clock=clock) as fake:
+        src = VllmMetricsSource(url=fake.metrics_url, rate_window_s=60, acceptance_window_s=60)
+        for _ in range(5):  # build up large counters
+            advance_sd(fake, n=100)
+            src.observe(clock())
+            clock.t += 60
+        # vLLM restarts without SD (a toggle): every counter back to zero, SD series gone.
+        fake.restart(sd_enabled=False)
+        clock.t += 30
+        fake.advance(requests=12, prompt_tokens=12 * 500, gen_tokens=12 * 128)
+        clock.t += 30
+        o = src.observe(clock())
+        assert isinstance(o, Observation)
+        # Last scrape was 120 s ago: 12 requests since the reset, counted from zero, not negative.
+        assert o.arrival_rate_rps == pytest.approx(12 / 120)
+        assert o.acceptance_rate is None and o.position_acceptance is None
+        assert o.sd_series_present is False
+        clock.t += 60
+        fake.advance(requests=30, prompt_tokens=30 * 500, gen_tokens=30 * 128)
+        o = src.observe(clock())
+        assert o.arrival_rate_rps == pytest.approx(30 / 60)
+
+
+def test_reset_detected_by_created_timestamp_even_if_counters_grew():
+    clock = Clock()
+    with FakeVllmServer(clock=clock) as fake:
+        src = VllmMetricsSource(url=fake.metrics_url)
+        advance_sd(fake, n=5)
+        src.observe(clock())
+        clock.t += 60
+        fake.restart(sd_enabled=True)
+        advance_sd(fake, n=50)  # more than before the restart: only _created tells
+        o = src.observe(clock())
+        assert o.arrival_rate_rps == pytest.approx(50 / 60)
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [("garbage", FailureReason.PARSE_ERROR), ("http500", FailureReason.HTTP_ERROR), ("hang", FailureReason.UNREACHABLE)],
+)
+def test_faults_are_named(mode, reason):
+    with FakeVllmServer() as fake:
+        src = VllmMetricsSource(url=fake.metrics_url, timeout_s=0.5)
+        fake.set_mode(mode)
+        t0 = time.monotonic()
+        o = src.observe(time.time())
+        assert isinstance(o, ObservationFailure) and o.reason is reason
+        assert time.monotonic() - t0 < 5  # bounded, even when the server hangs
+        fake.set_mode("ok")
+
+
+def test_unreachable_and_nan():
+    with FakeVllmServer() as fake:
+        url = fake.metrics_url
+    o = VllmMetricsSource(url=url, timeout_s=0.5).observe(time.time())
+    assert o.reason is FailureReason.UNREACHABLE
+    nan_text = open(f"{FIXTURES}/metrics-sd-off.txt").read().replace(
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0', 'vllm:num_requests_running{engine="0",model_name="tiny"} NaN'
+    )
+    src = VllmMetricsSource(fetch=lambda: nan_text)
+    assert src.observe(1.0).reason is FailureReason.NAN
