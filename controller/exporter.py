@@ -99,7 +99,7 @@ class Exporter:
         self.pending_age.set(now - state.pending.issued_at if state.pending else 0.0)
         self.floor_active.set(1 if state.floor_tripped_at is not None else 0)
         for ev in events:
-            if ev.startswith("change_confirmed:"):
+            if ev.startswith(("change_confirmed:", "external_change:")):
                 self.toggles.labels(ev.split(":", 1)[1]).inc()
             elif ev.startswith("change_failed:"):
                 self.change_failures.inc()

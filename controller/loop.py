@@ -176,12 +176,14 @@ class Controller:
                 predicted_speedup=assessment.predicted_speedup if assessment else None,
                 requested_at=now,
             )
+            uncertain = False
             try:
                 self.hook.request(change)
                 acted = True
             except HookError as exc:
-                log.error("hook_request_failed", error=str(exc), desired_enabled=change.enabled)
-            state, more = policy.record_request(state, s, acted, now)
+                uncertain = exc.uncertain
+                log.error("hook_request_failed", error=str(exc), desired_enabled=change.enabled, uncertain=uncertain)
+            state, more = policy.record_request(state, s, acted, now, uncertain)
             events = events + more
         self.state = state
         self.store.save(state)

@@ -283,10 +283,16 @@ def begin_request(state: ControllerState, decision: Decision, now: float) -> Con
 
 
 def record_request(
-    state: ControllerState, settings: Settings, accepted: bool, now: float, error: str = ""
+    state: ControllerState, settings: Settings, accepted: bool, now: float, uncertain: bool = False
 ) -> tuple[ControllerState, tuple[str, ...]]:
-    """After the hook call: keep the lock if accepted, else count a failure and back off."""
+    """After the hook call: keep the lock if accepted, else count a failure and back off.
+
+    An uncertain outcome (the request timed out after it was sent) keeps the lock too: the
+    change may be in flight, and the hook's status (or the pending timeout) will tell.
+    """
     if accepted:
         return state, ("change_requested",)
+    if uncertain:
+        return state, ("change_uncertain",)
     state, ev = _fail(state, settings, now, "hook_refused")
     return state, (ev,)

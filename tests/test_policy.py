@@ -293,3 +293,10 @@ def test_acceptance_floor_is_not_priced():
 def test_thresholds_stay_necessary_with_the_gate():
     d, _ = decide(PRICED, on_state(), obs(), assessment(1.1, gain=1e9, cost=0.0), AUTO, T0)
     assert d.action is Action.NONE and d.reason is Reason.STEADY
+
+
+def test_uncertain_request_keeps_the_lock():
+    d, state = decide(S, on_state(), obs(), assessment(0.9), AUTO, T0)
+    state = begin_request(state, d, T0)
+    state, ev = record_request(state, S, False, T0, uncertain=True)
+    assert ev == ("change_uncertain",) and state.pending is not None and state.consecutive_failures == 0

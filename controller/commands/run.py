@@ -90,15 +90,13 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         cal = cal_mod.load(calibration_path(s.calibration_file))
     except InputError as exc:
         raise ConfigError(f"setting calibration_file: {exc}") from exc
-    if cal.example:
-        log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
     store = FileStateStore(s.state_file)
     try:
         s.state_file.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"setting state_file: cannot create {s.state_file.parent}: {exc.strerror}") from exc
     state = store.load()
-    return Controller(
+    controller = Controller(
         settings=s,
         model=cal.latency_model(s.max_num_seqs),
         source=build_source(s),
@@ -109,6 +107,9 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         override=override_from_file(s.override_file, s.override),
         notify=WebhookNotifier(s.webhook_url),
     )
+    if cal.example:  # after every check, so a config error stays the only line on stderr
+        log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
+    return controller
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,7 +36,15 @@ class HookStatus:
 
 
 class HookError(RuntimeError):
-    """The hook refused or failed a request; the message is safe to log (no secrets)."""
+    """The hook refused or failed a request; the message is safe to log (no secrets).
+
+    ``uncertain``: the request may have been carried out (a timeout after sending it), so the
+    controller keeps its pending lock and lets the hook's status settle the question.
+    """
+
+    def __init__(self, message: str, uncertain: bool = False) -> None:
+        super().__init__(message)
+        self.uncertain = uncertain
 
 
 class Hook(Protocol):

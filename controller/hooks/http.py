@@ -119,7 +119,7 @@ class HttpHook:
         except _Retryable as exc:
             raise HookError(f"{where}: HTTP {exc.status} after retries") from None
         except requests.Timeout:
-            raise HookError(f"{where}: timed out after {self.timeout_s}s") from None
+            raise HookError(f"{where}: timed out after {self.timeout_s}s", uncertain=True) from None
         except requests.ConnectionError as exc:
             raise HookError(f"{where}: connection failed ({type(exc).__name__})") from None
         if resp.status_code == 401 or resp.status_code == 403:

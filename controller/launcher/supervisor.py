@@ -185,8 +185,14 @@ class Supervisor:
             if self._child is not None and self._child.poll() is None:
                 self._stop_child()
 
-    def _start(self, config: SdConfig, phase: str) -> bool:
-        """Start a child for ``config`` and wait until it serves; False (error kept) if not."""
+    def _start(
+        self, config: SdConfig, phase: str, ready_phase: str = READY, switch_started: float | None = None
+    ) -> bool:
+        """Start a child for ``config`` and wait until it serves; False (error kept) if not.
+
+        On success the state file is written first, then ``applied``, the phase and (for a
+        switch) its duration change in one step: a poller never sees "ready" with stale parts.
+        """
         argv = build_argv(self.profile, config)
         if self._stop.is_set():
             return False  # shutting down: starting a vLLM only to stop it wastes a minute
@@ -207,12 +213,17 @@ class Supervisor:
             self._set_error(str(exc))
             child.stop(self.options.stop_grace_s)
             return False
-        with self._lock:
-            self._applied = config
-            self._phase = READY
-            self._ready_since = time.monotonic()
-        log.info("child_ready", pid=child.pid, config=config.to_json(), waited_s=round(waited_s, 3))
         self._persist(config)
+        with self._lock:
+            now = time.monotonic()
+            self._applied = config
+            self._phase = ready_phase
+            self._ready_since = now
+            if switch_started is not None:
+                self._durations.append(round(now - switch_started, 3))
+                self._last_error = None
+                self._crash_attempts = 0
+        log.info("child_ready", pid=child.pid, config=config.to_json(), waited_s=round(waited_s, 3))
         return True
 
     def _switch(self, target: SdConfig) -> None:
@@ -221,13 +232,8 @@ class Supervisor:
         log.info("switch_start", applied=old.to_json(), desired=target.to_json())
         self._stop_child()
         self._count_restart()
-        if self._start(target, RESTARTING):
-            duration_s = round(time.monotonic() - started, 3)
-            with self._lock:
-                self._durations.append(duration_s)
-                self._last_error = None
-                self._crash_attempts = 0
-            log.info("switch_done", applied=target.to_json(), duration_s=duration_s)
+        if self._start(target, RESTARTING, switch_started=started):
+            log.info("switch_done", applied=target.to_json(), duration_s=self._durations[-1])
             return
         if self._stop.is_set():
             return
@@ -235,10 +241,8 @@ class Supervisor:
         error = f"switch to {describe(target)} failed: {reason}; rolled back to {describe(old)}"
         log.error("switch_failed", desired=target.to_json(), error=reason)
         self._count_restart()
-        if self._start(old, RESTARTING):
-            with self._lock:
-                self._phase = FAILED
-                self._last_error = error
+        self._set_error(error)
+        if self._start(old, RESTARTING, ready_phase=FAILED):
             log.warning("rollback_done", applied=old.to_json())
         elif not self._stop.is_set():
             self._set_error(f"{error}, but the rollback failed too: {self._last_error}")

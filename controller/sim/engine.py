@@ -158,9 +158,13 @@ class Engine:
         seed: int | None = None,
         model_name: str = "sim",
         record_requests: bool = True,
+        trace_speed: float = 1.0,
     ) -> None:
         self.scenario = scenario
         self.model = model
+        # > 1: the scenario's traces play faster than the engine's clock (see serve.py); the
+        # engine's own physics (steps, latencies, restarts) always runs in real seconds.
+        self.trace_speed = float(trace_speed)
         spec = scenario.engine
         self.spec = spec
         self.tick_s = float(scenario.tick_s)
@@ -242,7 +246,7 @@ class Engine:
             self._block_start_tick = k
             arr, counts = generate_arrivals(
                 self._rng_arrivals, b.arrival_rate, b.acceptance, list(b.classes),
-                k * self.tick_s, self.tick_s, BLOCK_TICKS,
+                k * self.tick_s, self.tick_s, BLOCK_TICKS, self.trace_speed,
             )  # fmt: skip
             self._block = arr
             self._block_gamma = -1

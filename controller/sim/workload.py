@@ -238,14 +238,16 @@ def generate_arrivals(
     start_s: float,
     tick_s: float,
     n_ticks: int,
+    time_scale: float = 1.0,
 ) -> tuple[Arrivals, np.ndarray]:
     """Poisson arrivals for ``n_ticks`` ticks from ``start_s``; also the per-tick counts.
 
     The rate is taken at each tick's midpoint (piecewise-constant Poisson process); arrival
-    times are uniform within their tick.
+    times are uniform within their tick. ``time_scale`` > 1 plays the traces faster than the
+    clock (the rate at time t is the trace's value at ``t·time_scale``).
     """
     mids = start_s + (np.arange(n_ticks) + 0.5) * tick_s
-    lam = np.maximum(rate.evaluate(mids), 0.0)
+    lam = np.maximum(rate.evaluate(mids * time_scale), 0.0)
     counts = rng.poisson(lam * tick_s)
     n = int(counts.sum())
     tick_of = np.repeat(np.arange(n_ticks), counts)
@@ -273,7 +275,7 @@ def generate_arrivals(
             alpha[sel] = c.alpha
         else:
             if trace_alpha is None:
-                trace_alpha = acceptance.evaluate(times)
+                trace_alpha = acceptance.evaluate(times * time_scale)
             alpha[sel] = trace_alpha[sel] + c.alpha_offset
     np.clip(alpha, 0.0, 1.0, out=alpha)
     return Arrivals(times, prompt, gen, alpha, klass), counts

@@ -1,0 +1,106 @@
+"""``sd-controller simulate``: serve a simulated vLLM (/metrics, /health) and the launcher's
+admin API over HTTP on 127.0.0.1, so the real daemon (and a real Prometheus) can run against it.
+
+Time: the engine runs in real seconds (step costs, latencies, restart downtime are real, so
+rates seen by Prometheus or the daemon are true rates); ``--speed`` plays the scenario's
+traces faster, e.g. at 60 a 24 h scenario's load curve passes in 24 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from controller.commands._common import EXAMPLE_CALIBRATION, calibration_path, exits_on_input_error
+from controller.errors import ConfigError
+
+TOKEN_ENV = "SD_LAUNCHER_ADMIN_TOKEN"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", default="demo-day", help="built-in scenario name or YAML file (default demo-day)")
+    parser.add_argument("--calibration", default=EXAMPLE_CALIBRATION, help="calibration JSON, or 'example' (default)")
+    parser.add_argument("--port", type=int, default=8000, help="port of /metrics and /health (default 8000)")
+    parser.add_argument("--admin-port", type=int, default=8091, help="port of the admin API (default 8091)")
+    parser.add_argument("--speed", type=float, default=60.0, help="scenario seconds per wall second (default 60)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: the scenario's)")
+    parser.add_argument("--model-name", default="sim", help="model_name label on the metrics (default sim)")
+    parser.add_argument("--restart-s", type=float, default=None, help="override the restart downtime, seconds")
+    parser.add_argument("--admin-token-file", default=None, help=f"file holding the admin bearer token (else env {TOKEN_ENV})")
+    parser.add_argument("--insecure-no-token", action="store_true", help="serve the admin API without a token (loopback only)")
+    parser.add_argument("--duration-s", type=float, default=None, help="stop after this many wall seconds (default: run until stopped)")
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    if args.admin_token_file:
+        try:
+            token = Path(args.admin_token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"--admin-token-file {args.admin_token_file}: {exc.strerror or exc}") from None
+        if not token:
+            raise ConfigError(f"--admin-token-file {args.admin_token_file}: file is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    if args.insecure_no_token:
+        return None
+    raise ConfigError(f"no admin token: set {TOKEN_ENV} or --admin-token-file (or --insecure-no-token)")
+
+
+def build(args: argparse.Namespace):
+    """The SimulatedServer described by the arguments (not started)."""
+    import time as _time
+
+    from controller import calibration
+    from controller.sim import scenarios
+    from controller.sim.engine import Engine
+    from controller.sim.server import SimulatedServer
+
+    if args.speed <= 0:
+        raise ConfigError("--speed must be > 0")
+    scenario = scenarios.load(args.scenario)
+    if args.seed is not None:
+        scenario = scenario.with_changes(seed=args.seed)
+    if args.restart_s is not None:
+        if args.restart_s < 0:
+            raise ConfigError("--restart-s must be >= 0")
+        scenario = scenario.with_changes(engine={"restart_downtime_s": args.restart_s, "restart_jitter_s": 0.0})
+    model = calibration.load(calibration_path(args.calibration)).latency_model()
+    token = read_token(args)
+    engine = Engine(scenario, model, epoch_s=_time.time(), model_name=args.model_name, trace_speed=args.speed)
+    try:
+        return SimulatedServer(engine, port=args.port, admin_port=args.admin_port, token=token)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on 127.0.0.1:{args.port}/{args.admin_port}: {exc.strerror or exc}") from None
+
+
+@exits_on_input_error
+def run(args: argparse.Namespace) -> int:
+    server = build(args)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.start()
+    sc = server.engine.scenario
+    print(
+        f"simulating {sc.name} at {args.speed:g}x: metrics {server.metrics_url}, admin {server.admin_url}",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.monotonic()
+    try:
+        while not stop.is_set():
+            if args.duration_s is not None and time.monotonic() - started >= args.duration_s:
+                break
+            stop.wait(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)
+    return 0

@@ -1,0 +1,178 @@
+"""The simulator over HTTP: vLLM's /metrics and /health, and the launcher's admin API.
+
+The admin API is the launcher's own :class:`controller.launcher.admin.AdminServer` (same
+routes, auth, status codes and body parser) in front of :class:`SimSupervisor`, which applies
+switches to the simulated engine instead of restarting a process. A background thread keeps
+the engine's clock in step with the wall clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from controller.hooks.base import HookError
+from controller.launcher.admin import AdminServer
+from controller.launcher.state import SwitchRequest
+from controller.launcher.supervisor import Busy, SwitchOutcome
+from controller.sim.engine import Engine
+
+
+class SimSupervisor:
+    """What AdminServer needs from a supervisor (``snapshot``, ``request_switch``), backed by
+    a simulated engine. All engine access goes through one lock shared with the clock."""
+
+    def __init__(self, engine: Engine, lock: threading.Lock, vllm_url: str) -> None:
+        self.engine = engine
+        self.lock = lock
+        self.vllm_url = vllm_url
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return self.engine.admin_status(self.vllm_url)
+
+    def request_switch(self, request: SwitchRequest) -> SwitchOutcome:
+        with self.lock:
+            try:
+                changed = self.engine.request_restart(request.enabled, request.num_speculative_tokens)
+            except HookError:
+                raise Busy("restarting") from None
+            return SwitchOutcome(changed, self.engine.admin_status(self.vllm_url))
+
+
+class SimClock:
+    """Advances the engine to the wall clock's elapsed time, tick by tick, in a thread."""
+
+    def __init__(self, engine: Engine, lock: threading.Lock, poll_s: float = 0.05) -> None:
+        self.engine = engine
+        self.lock = lock
+        self.poll_s = poll_s
+        self.started_at = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sim-clock", daemon=True)
+
+    def start(self) -> None:
+        self.started_at = time.monotonic() - self.engine.t
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            target = time.monotonic() - self.started_at
+            with self.lock:
+                # Bounded catch-up per iteration keeps scrapes responsive after a stall.
+                self.engine.advance_to(min(target, self.engine.t + 60.0))
+            self._stop.wait(self.poll_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """GET /metrics (vLLM exposition; 503 while restarting) and GET /health."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], engine: Engine, lock: threading.Lock) -> None:
+        super().__init__(address, _MetricsHandler)
+        self.engine = engine
+        self.lock = lock
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.serve_forever, name="sim-metrics", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    server: MetricsServer
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        with self.server.lock:
+            serving = self.server.engine.serving
+            body = self.server.engine.render_metrics() if serving and path == "/metrics" else ""
+        if path == "/metrics":
+            if serving:
+                self._send(HTTPStatus.OK, body, "text/plain; version=0.0.4; charset=utf-8")
+            else:
+                self._send(HTTPStatus.SERVICE_UNAVAILABLE, "vLLM is restarting\n")
+        elif path == "/health":
+            self._send(HTTPStatus.OK if serving else HTTPStatus.SERVICE_UNAVAILABLE, "")
+        else:
+            self._send(HTTPStatus.NOT_FOUND, "not found\n")
+
+    def _send(self, status: HTTPStatus, text: str, ctype: str = "text/plain; charset=utf-8") -> None:
+        data = text.encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: scrapes every second
+        return
+
+
+class SimulatedServer:
+    """Engine + clock thread + /metrics server + admin API. Use as a context manager."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        admin_port: int = 0,
+        token: str | None = None,
+        run_clock: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.metrics = MetricsServer((host, port), engine, self.lock)
+        self.supervisor = SimSupervisor(engine, self.lock, self.metrics.url)
+        self.admin = AdminServer((host, admin_port), self.supervisor, token)  # type: ignore[arg-type]
+        self.clock = SimClock(engine, self.lock) if run_clock else None
+
+    @property
+    def metrics_url(self) -> str:
+        return self.metrics.url + "/metrics"
+
+    @property
+    def admin_url(self) -> str:
+        return self.admin.url
+
+    def start(self) -> SimulatedServer:
+        self.metrics.start()
+        self.admin.start()
+        if self.clock is not None:
+            self.clock.start()
+        return self
+
+    def stop(self) -> None:
+        if self.clock is not None:
+            self.clock.stop()
+        self.admin.stop()
+        self.metrics.stop()
+
+    def __enter__(self) -> SimulatedServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
