@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     model = calibration.load(calibration_path(args.calibration)).latency_model()
-    settings_fields = runner.default_settings().model_fields
+    settings_fields = type(runner.default_settings()).model_fields
     variants = [("controller", {})]
     if "price_switches" in settings_fields:
         variants.append(("controller, no switch pricing", {"price_switches": False}))

@@ -14,7 +14,14 @@ from controller.model import LatencyModel, Workload, best_draft_length, break_ev
 from controller.observation import Observation
 from controller.settings import Settings
 from controller.state import ControllerState
-from controller.switch_cost import downtime_estimate, projected_rate, switch_cost, switch_gain
+from controller.switch_cost import (
+    downtime_estimate,
+    gain_horizon,
+    projected_rate,
+    switch_cost,
+    switch_gain,
+    trend_slope,
+)
 
 
 class AcceptanceSource(StrEnum):
@@ -84,6 +91,7 @@ class Assessment:
     restart_downtime_s: float
     switch_cost_request_s: float  # of switching away from the applied state
     projected_gain_request_s: float  # of the other state over the horizon (negative: a loss)
+    gain_horizon_s: float = 0.0  # how long the other state is expected to stay right
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -129,7 +137,9 @@ def assess(
     en = acc.accepted_length if acc.accepted_length is not None and gamma_on == gamma_now else None
     now_p = predict_point(model, rate, acc.alpha, gamma_on, workload, en)
     eval_p = now_p if eval_rate == rate else predict_point(model, eval_rate, acc.alpha, gamma_on, workload, en)
-    be = break_even_rates(model, acc.alpha, gamma_on, workload, thresholds=(1.0,), accepted_length=en)[1.0]
+    thresholds = (1.0, settings.disable_threshold, settings.enable_threshold)
+    bes = break_even_rates(model, acc.alpha, gamma_on, workload, thresholds=thresholds, accepted_length=en)
+    be = bes[1.0]
 
     downtime = downtime_estimate(state.restart_durations_s, settings.restart_downtime_s)
     currently_on = bool(applied_enabled)
@@ -143,7 +153,14 @@ def assess(
         return p.latency_on_s if currently_on else p.latency_off_s
 
     cost = switch_cost(eval_rate, downtime, cap_new, settings.replicas, cap_cur, latency_current)
-    horizon = max(settings.gain_horizon_s, settings.dwell_s)
+    # The new state pays off until the load trend would switch it back: SD just enabled lasts
+    # until load rises to the disable break-even; SD just disabled until load falls to enable's.
+    slope = trend_slope(rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s)
+    undo = bes[settings.enable_threshold if currently_on else settings.disable_threshold]
+    undo_rate = undo.rate_rps if not undo.always_above else None
+    horizon = gain_horizon(
+        eval_rate, slope, undo_rate, rising_undoes=not currently_on, min_s=settings.dwell_s, max_s=max(settings.gain_horizon_max_s, settings.dwell_s)
+    )
     gain = switch_gain(eval_rate, horizon, lat_cur, lat_new, cap_cur, cap_new)
     return Assessment(
         arrival_rate_rps=rate,
@@ -164,6 +181,7 @@ def assess(
         restart_downtime_s=downtime,
         switch_cost_request_s=cost,
         projected_gain_request_s=gain,
+        gain_horizon_s=horizon,
     )
 
 

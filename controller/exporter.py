@@ -67,6 +67,7 @@ class Exporter:
         self.switch_cost = Gauge("sd_switch_cost_request_seconds", "Estimated cost of switching now", registry=r)
         self.gain = Gauge("sd_projected_gain_request_seconds", "Projected gain of switching over the horizon", registry=r)
         self.downtime = Gauge("sd_restart_downtime_seconds", "Restart downtime estimate", registry=r)
+        self.horizon = Gauge("sd_gain_horizon_seconds", "How long the other state is expected to stay right", registry=r)
         Info("sd_controller_build", "Build information", registry=r).info({"version": __version__})
         for reason in FailureReason:
             self.failures.labels(reason.value)  # every reason visible at 0 from the start
@@ -133,6 +134,7 @@ class Exporter:
         _set(self.switch_cost, a.switch_cost_request_s)
         _set(self.gain, a.projected_gain_request_s)
         self.downtime.set(a.restart_downtime_s)
+        self.horizon.set(a.gain_horizon_s)
 
 
 def _set(gauge: Gauge, value: float) -> None:

@@ -240,6 +240,7 @@ class Controller:
                 switch_cost_request_s=_r(a.switch_cost_request_s),
                 projected_gain_request_s=_r(a.projected_gain_request_s),
                 restart_downtime_s=round(a.restart_downtime_s, 2),
+                gain_horizon_s=round(a.gain_horizon_s, 1),
             )
         level = log.warning if (d.acts or any(e.startswith("change_failed") for e in events)) else log.info
         level("decision", **fields)

@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     price_switches: bool = Field(True, description="Weigh each switch's projected gain against its restart cost (otherwise thresholds only).")
     restart_downtime_s: float = Field(90.0, gt=0, description="Assumed restart downtime until the hook reports measured ones.")
     replicas: int = Field(1, ge=1, description="Replicas behind the router: 1 means a restart is an outage; N > 1 a capacity dip of one replica.")
-    gain_horizon_s: float = Field(1800.0, gt=0, description="Horizon over which a switch's latency gain is integrated (at least the dwell).")
+    gain_horizon_max_s: float = Field(14400.0, gt=0, description="A switch's gain is integrated until the projected load would undo it (by the trend), at least the dwell and at most this.")
     switch_margin: float = Field(1.5, ge=1, description="Switch only when projected gain exceeds the switch cost times this.")
     long_window_s: float = Field(900.0, gt=0, description="Long rate window used with the short one to project the load trend.")
 

@@ -90,9 +90,32 @@ def projected_rate(
     """
     if long_rps is None or long_window_s <= short_window_s:
         return short_rps
-    slope = (short_rps - long_rps) / ((long_window_s - short_window_s) / 2.0)
-    ahead = short_rps + slope * ahead_s
+    ahead = short_rps + trend_slope(short_rps, long_rps, short_window_s, long_window_s) * ahead_s
     return min(max(ahead, 0.0), 2.0 * short_rps + 1.0)
+
+
+def trend_slope(short_rps: float, long_rps: float | None, short_window_s: float, long_window_s: float) -> float:
+    """Load trend in req/s per second from the two windows' averages (0 without a long window)."""
+    if long_rps is None or long_window_s <= short_window_s:
+        return 0.0
+    return (short_rps - long_rps) / ((long_window_s - short_window_s) / 2.0)
+
+
+def gain_horizon(
+    rate_rps: float, slope: float, undo_rate_rps: float | None, rising_undoes: bool, min_s: float, max_s: float
+) -> float:
+    """How long the new state is expected to stay right: until the trend carries the load to
+    ``undo_rate_rps`` (the break-even that would switch back), clamped to [min_s, max_s].
+
+    ``rising_undoes``: SD was just enabled, so rising load ends it; else falling load does.
+    """
+    if undo_rate_rps is None:
+        return max_s
+    toward = slope if rising_undoes else -slope
+    if toward <= 0:
+        return max_s
+    distance = (undo_rate_rps - rate_rps) if rising_undoes else (rate_rps - undo_rate_rps)
+    return min(max(distance / toward, min_s), max_s)
 
 
 def downtime_estimate(measured_s: Sequence[float], default_s: float, keep: int = 10) -> float:

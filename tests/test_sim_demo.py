@@ -26,6 +26,7 @@ def short_scenario(tmp_path):
     return f
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path, short_scenario, capsys):
     out = tmp_path / "out"
     rc = main(["demo", "--scenario", str(short_scenario), "--out", str(out)])

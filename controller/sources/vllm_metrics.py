@@ -42,11 +42,32 @@ class Snapshot:
     sd_present: bool = False
 
 
+_WANTED = (SUCCESS, DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS, RUNNING, WAITING)
+_WANTED_HIST = (PROMPT, GENERATION, E2E)
+
+
+def _relevant(text: str) -> str:
+    """Only the lines of the families we read (vLLM exports ~600 lines, mostly buckets).
+
+    prometheus-client's parser still parses what remains; this only spares it the rest.
+    """
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith(_WANTED) or (name.startswith(_WANTED_HIST) and not name.endswith("_bucket")):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 def parse_snapshot(text: str, now: float, model_name: str | None = None) -> Snapshot:
     """Parse exposition text into a Snapshot; ValueError on garbage."""
     snap = Snapshot(now)
     seen_vllm = False
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_relevant(text)):
         if not family.name.startswith("vllm:"):
             continue
         seen_vllm = True

@@ -13,6 +13,8 @@ anything else is ignored) plus knobs, read from the command line or the environm
 
     POST /fake/crash        exit at once with status 3 (a crash)
     GET  /fake/info         {pid, argv, spec}
+
+Tests import ``command()`` (a vLLM-like command line running this file) and ``free_port()``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""From observation to assessment: acceptance source, workload memory, projection, pricing."""
+
+import pytest
+
+from controller.acceptance import alpha_from_vllm_rate
+from controller.assessment import AcceptanceSource, assess, estimate_acceptance
+from controller.calibration import load
+from controller.commands._common import example_calibration_path
+from controller.model import Workload, predict_point
+from controller.observation import Observation
+from controller.settings import Settings
+from controller.state import ControllerState
+
+MODEL = load(example_calibration_path()).latency_model()
+S = Settings(calibration_file="example")
+T = 1_000_000.0
+
+
+def test_acceptance_measured_last_prior():
+    measured = estimate_acceptance(Observation(T, 1.0, acceptance_rate=0.6, mean_draft_tokens=4.0), ControllerState(), S, 4, T)
+    assert measured.source is AcceptanceSource.MEASURED
+    assert measured.alpha == pytest.approx(float(alpha_from_vllm_rate(0.6, 4)))
+    state = ControllerState(last_acceptance_rate=0.5, last_alpha=0.7, last_acceptance_at=T - 100)
+    last = estimate_acceptance(Observation(T, 1.0), state, S, 4, T)
+    assert (last.source, last.alpha, last.age_s) == (AcceptanceSource.LAST, 0.7, 100)
+    old = estimate_acceptance(Observation(T, 1.0), state, S, 4, T + S.acceptance_max_age_s + 1)
+    assert old.source is AcceptanceSource.PRIOR and old.rate == S.acceptance_prior
+
+
+def test_ngram_short_drafts_use_the_mean_drafted():
+    # n-gram proposed 2.8 tokens per draft on average (the real capture: 360/128).
+    e = estimate_acceptance(Observation(T, 1.0, acceptance_rate=0.6, mean_draft_tokens=2.8), ControllerState(), S, 4, T)
+    assert e.alpha == pytest.approx(float(alpha_from_vllm_rate(0.6, 2.8)))
+
+
+def test_positions_win_when_consistent_and_are_ignored_when_not():
+    consistent = Observation(T, 1.0, acceptance_rate=0.5, mean_draft_tokens=4.0, position_acceptance=(0.8, 0.6, 0.4, 0.2))
+    assert estimate_acceptance(consistent, ControllerState(), S, 4, T).accepted_length == pytest.approx(3.0)
+    broken = Observation(T, 1.0, acceptance_rate=0.5, mean_draft_tokens=4.0, position_acceptance=(0.0, 0.0, 0.0, 0.0))
+    assert estimate_acceptance(broken, ControllerState(), S, 4, T).accepted_length is None
+
+
+def test_assessment_matches_the_model_and_remembers_workload():
+    obs = Observation(T, 4.0, acceptance_rate=0.6, mean_draft_tokens=4.0)  # no token means measured
+    state = ControllerState(applied_enabled=True, applied_draft_length=4, last_prompt_tokens=300.0, last_gen_tokens=120.0)
+    a = assess(MODEL, S, state, obs, True, 4, T)
+    assert a.workload == Workload(300.0, 120.0)
+    p = predict_point(MODEL, 4.0, a.acceptance.alpha, 4, Workload(300.0, 120.0))
+    assert a.predicted_speedup == pytest.approx(p.speedup)
+    assert a.batch_on == pytest.approx(p.batch_on)
+    assert a.switch_cost_request_s > 0 and a.gain_horizon_s == S.gain_horizon_max_s  # no trend: it lasts
+
+
+def test_rising_trend_projects_higher_and_shortens_sd_gain():
+    flat = Observation(T, 10.0, arrival_rate_long_rps=10.0, acceptance_rate=0.6, mean_draft_tokens=4.0)
+    rising = Observation(T, 10.0, arrival_rate_long_rps=6.0, acceptance_rate=0.6, mean_draft_tokens=4.0)
+    off = ControllerState(applied_enabled=False)
+    a_flat = assess(MODEL, S, off, flat, False, None, T)
+    a_rise = assess(MODEL, S, off, rising, False, None, T)
+    assert a_rise.projected_rate_rps > a_flat.projected_rate_rps == 10.0
+    assert a_rise.decision_speedup < a_flat.decision_speedup
+    assert a_rise.gain_horizon_s < a_flat.gain_horizon_s
+    # A falling trend is not believed for the decision rate (conservative toward SD overload).
+    falling = Observation(T, 10.0, arrival_rate_long_rps=14.0, acceptance_rate=0.6, mean_draft_tokens=4.0)
+    assert assess(MODEL, S, off, falling, False, None, T).projected_rate_rps == 10.0
+
+
+def test_single_replica_restart_near_saturation_costs_more_than_it_gains():
+    obs = Observation(T, 14.0, acceptance_rate=0.6, mean_draft_tokens=4.0)
+    on = ControllerState(applied_enabled=True, applied_draft_length=4)
+    single = assess(MODEL, S, on, obs, True, 4, T)
+    fleet = assess(MODEL, Settings(calibration_file="example", replicas=4), on, obs, True, 4, T)
+    assert fleet.switch_cost_request_s < single.switch_cost_request_s
