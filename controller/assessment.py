@@ -158,6 +158,12 @@ def assess(
     slope = trend_slope(rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s)
     undo = bes[settings.enable_threshold if currently_on else settings.disable_threshold]
     undo_rate = undo.rate_rps if not undo.always_above else None
+    # The fluid model's latency is optimistic next to a stability limit (arrival bursts queue);
+    # past the headroom a state counts as overloaded, so leaving it is always worth a restart.
+    if eval_rate > settings.capacity_headroom * cap_cur:
+        lat_cur = math.inf
+    if eval_rate > settings.capacity_headroom * cap_new:
+        lat_new = math.inf
     horizon = gain_horizon(
         eval_rate, slope, undo_rate, rising_undoes=not currently_on, min_s=settings.dwell_s, max_s=max(settings.gain_horizon_max_s, settings.dwell_s)
     )

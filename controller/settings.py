@@ -66,6 +66,7 @@ class Settings(BaseSettings):
     replicas: int = Field(1, ge=1, description="Replicas behind the router: 1 means a restart is an outage; N > 1 a capacity dip of one replica.")
     gain_horizon_max_s: float = Field(14400.0, gt=0, description="A switch's gain is integrated until the projected load would undo it (by the trend), at least the dwell and at most this.")
     switch_margin: float = Field(1.5, ge=1, description="Switch only when projected gain exceeds the switch cost times this.")
+    capacity_headroom: float = Field(0.9, gt=0, le=1, description="A state run above this fraction of its stability limit counts as overloaded when pricing (the model is a fluid one: real queues blow up before the limit).")
     long_window_s: float = Field(900.0, gt=0, description="Long rate window used with the short one to project the load trend.")
 
     # --- observation sources -----------------------------------------------------------------
@@ -212,5 +213,22 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+README_MARKERS = ("<!-- settings-table:start -->", "<!-- settings-table:end -->")
+
+
+def readme_with_table(readme: str) -> str:
+    """The README text with the generated table between its markers."""
+    start, end = README_MARKERS
+    head, rest = readme.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{markdown_table()}\n{end}{tail}"
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    import sys
+
+    if sys.argv[1:2] == ["--write-readme"]:
+        path = Path(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+        path.write_text(readme_with_table(path.read_text(encoding="utf-8")), encoding="utf-8")
+    else:
+        print(markdown_table())

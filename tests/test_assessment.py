@@ -71,3 +71,14 @@ def test_single_replica_restart_near_saturation_costs_more_than_it_gains():
     single = assess(MODEL, S, on, obs, True, 4, T)
     fleet = assess(MODEL, Settings(calibration_file="example", replicas=4), on, obs, True, 4, T)
     assert fleet.switch_cost_request_s < single.switch_cost_request_s
+
+
+def test_near_the_limit_a_state_counts_as_overloaded_when_pricing():
+    # 15 req/s: SD is at 99% of its limit (15.1), plain decoding at 93% of 16.2. With 90%
+    # headroom both count as overloaded: the larger capacity (SD off) wins, whatever the cost.
+    obs = Observation(T, 15.0, acceptance_rate=0.6, mean_draft_tokens=4.0, mean_prompt_tokens=512, mean_gen_tokens=256)
+    on = ControllerState(applied_enabled=True, applied_draft_length=4)
+    a = assess(MODEL, S, on, obs, True, 4, T)
+    assert a.projected_gain_request_s == float("inf")
+    relaxed = assess(MODEL, Settings(calibration_file="example", capacity_headroom=1.0), on, obs, True, 4, T)
+    assert relaxed.projected_gain_request_s < relaxed.switch_cost_request_s  # the fluid view alone would stay

@@ -1,0 +1,30 @@
+"""The README stays true: its example runs, its settings table is the model's, its commands run."""
+
+import re
+from pathlib import Path
+
+from controller.settings import readme_with_table
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_library_example_runs_and_disables_under_load(capsys):
+    block = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    hook = namespace["hook"]
+    assert len(hook.changes) == 1 and hook.changes[0].enabled is False
+    out = capsys.readouterr().out
+    assert "10 disable speedup 0.830 < 1.05" in out
+    assert namespace["controller"].registry.get_sample_value("sd_enabled") == 0.0
+
+
+def test_settings_table_is_generated_from_the_model():
+    assert readme_with_table(README) == README, "run: python -m controller.settings --write-readme"
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "bash scripts/test.sh" in README
+    ci = (ROOT / ".ci/run").read_text()
+    assert re.search(r"^bash scripts/test.sh$", ci, re.M)
