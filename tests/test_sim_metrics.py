@@ -63,7 +63,9 @@ def test_counters_are_consistent(engine_texts):
     drafts = val("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_drafts_total")
     draft_tokens = val("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens_total")
     accepted = val("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total")
-    per_pos = [s.value for s in fams["vllm:spec_decode_num_accepted_tokens_per_pos"].samples if s.name.endswith("_total")]
+    per_pos = [
+        s.value for s in fams["vllm:spec_decode_num_accepted_tokens_per_pos"].samples if s.name.endswith("_total")
+    ]
     assert draft_tokens == pytest.approx(4 * drafts)
     assert sum(per_pos) == pytest.approx(accepted)
     assert per_pos == sorted(per_pos, reverse=True)  # later positions are accepted less often

@@ -38,7 +38,7 @@ def test_bad_file_is_one_line_naming_file_and_field(tmp_path, text, needle):
 
 
 def test_unknown_name_lists_builtins():
-    with pytest.raises(InputError, match="built-ins: .*demo-day"):
+    with pytest.raises(InputError, match=r"built-ins: .*demo-day"):
         scenarios.load("no-such-scenario")
 
 

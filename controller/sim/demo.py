@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibration", default=EXAMPLE_CALIBRATION, help="calibration JSON, or 'example' (default)"
     )
-    parser.add_argument("--out", default="sd-demo-out", help="directory for the plot and numbers (default ./sd-demo-out)")
+    parser.add_argument(
+        "--out", default="sd-demo-out", help="directory for the plot and numbers (default ./sd-demo-out)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: the scenario's)")
     parser.add_argument("--no-baselines", action="store_true", help="run the controller only")
 
@@ -202,7 +204,12 @@ def run(args: argparse.Namespace) -> int:
     _plot(result, t_ctl, windows, plot, model)
     (out / "summary.json").write_text(
         json.dumps(
-            {"scenario": scenario.name, "calibration": str(cal_file), "runs": rows, "wall_s": time.perf_counter() - started},
+            {
+                "scenario": scenario.name,
+                "calibration": str(cal_file),
+                "runs": rows,
+                "wall_s": time.perf_counter() - started,
+            },
             indent=2,
             default=lambda x: None,
         )

@@ -376,9 +376,8 @@ class Engine:
         lo, hi = self._arrivals_for_tick(k)
         n_arr = self._push(lo, hi)
         step_s = 0.0
-        if self.phase is Phase.DOWN:
-            if t0 >= self._ready_at:
-                self._come_up()
+        if self.phase is Phase.DOWN and t0 >= self._ready_at:
+            self._come_up()
         if self.phase is not Phase.DOWN:
             step_s = self._serve(t0, dt)
             if self.phase is Phase.DRAINING and (
@@ -431,10 +430,7 @@ class Engine:
         if pending > 0:
             tau1 = c_dec + k_pf * budget + q * (x + budget) ** 2  # a step with a full prefill chunk
             s1 = pending / budget
-            if s1 * tau1 <= dt:
-                n = s1 + (dt - s1 * tau1) / tau0
-            else:
-                n = dt / tau1
+            n = s1 + (dt - s1 * tau1) / tau0 if s1 * tau1 <= dt else dt / tau1
         else:
             n = dt / tau0
         tau = dt / n

@@ -76,7 +76,7 @@ def run_oracle(
     outage = scenario.engine.restart_downtime_s + min(scenario.engine.drain_limit_s, 10.0)
     # The outage (and the backlog after it) reaches into the following intervals: price it at
     # the highest rate it overlaps, or a switch just before a spike looks cheap.
-    span = int(math.ceil(2 * outage / interval_s)) + 1
+    span = math.ceil(2 * outage / interval_s) + 1
     peak = np.array([rates[k : k + span].max() for k in range(n)])
     switch_into = np.array(
         [[backlog_cost(r, outage, mu_off), backlog_cost(r, outage, mu_on)] for r in peak]

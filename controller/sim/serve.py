@@ -31,9 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: the scenario's)")
     parser.add_argument("--model-name", default="sim", help="model_name label on the metrics (default sim)")
     parser.add_argument("--restart-s", type=float, default=None, help="override the restart downtime, seconds")
-    parser.add_argument("--admin-token-file", default=None, help=f"file holding the admin bearer token (else env {TOKEN_ENV})")
-    parser.add_argument("--insecure-no-token", action="store_true", help="serve the admin API without a token (loopback only)")
-    parser.add_argument("--duration-s", type=float, default=None, help="stop after this many wall seconds (default: run until stopped)")
+    parser.add_argument(
+        "--admin-token-file", default=None, help=f"file holding the admin bearer token (else env {TOKEN_ENV})"
+    )
+    parser.add_argument(
+        "--insecure-no-token", action="store_true", help="serve the admin API without a token (loopback only)"
+    )
+    parser.add_argument(
+        "--duration-s", type=float, default=None, help="stop after this many wall seconds (default: run until stopped)"
+    )
 
 
 def read_token(args: argparse.Namespace) -> str | None:

@@ -32,10 +32,7 @@ SD_METRICS = (
     "# TYPE vllm:spec_decode_num_drafts_total counter\n"
     'vllm:spec_decode_num_drafts_total{{engine="0",model_name="tiny"}} {n}\n'
 )
-BASE_METRICS = (
-    "# TYPE vllm:num_requests_running gauge\n"
-    'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
-)
+BASE_METRICS = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
 
 
 SCRIPT = os.path.abspath(__file__)
@@ -63,17 +60,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--speculative-config", default=None)
-    p.add_argument(
-        "--startup-delay-s", type=float, default=float(env("FAKE_VLLM_STARTUP_DELAY_S", "0"))
-    )
+    p.add_argument("--startup-delay-s", type=float, default=float(env("FAKE_VLLM_STARTUP_DELAY_S", "0")))
     p.add_argument("--hang-if-tokens", type=int, default=int(env("FAKE_VLLM_HANG_IF_TOKENS", "-1")))
     p.add_argument("--exit-if-tokens", type=int, default=int(env("FAKE_VLLM_EXIT_IF_TOKENS", "-1")))
-    p.add_argument(
-        "--ignore-sigterm", action="store_true", default=env("FAKE_VLLM_IGNORE_SIGTERM") == "1"
-    )
-    p.add_argument(
-        "--sigterm-exit-code", type=int, default=int(env("FAKE_VLLM_SIGTERM_EXIT_CODE", "0"))
-    )
+    p.add_argument("--ignore-sigterm", action="store_true", default=env("FAKE_VLLM_IGNORE_SIGTERM") == "1")
+    p.add_argument("--sigterm-exit-code", type=int, default=int(env("FAKE_VLLM_SIGTERM_EXIT_CODE", "0")))
     p.add_argument("--record", default=env("FAKE_VLLM_RECORD"))
     args, _unknown = p.parse_known_args(argv)
     return args

@@ -1,0 +1,74 @@
+"""The exporter, read back from its own registry and from its HTTP endpoint."""
+
+import math
+
+import requests
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.assessment import AcceptanceEstimate, AcceptanceSource, Assessment
+from controller.exporter import Exporter, MetricsServer
+from controller.model import Workload
+from controller.observation import FailureReason
+from controller.policy import Action, ControllerPhase, Decision, Reason
+from controller.state import ControllerState, PendingChange
+
+A = Assessment(
+    arrival_rate_rps=3.0, projected_rate_rps=3.5, acceptance=AcceptanceEstimate(0.55, 0.78, AcceptanceSource.LAST, 120.0),
+    workload=Workload(512, 256), draft_length=4, best_draft_length=5, predicted_speedup=1.8, decision_speedup=1.7,
+    latency_off_s=1.9, latency_on_s=math.inf, batch_off=5.7, batch_on=2.9, stability_limit_off_rps=16.2,
+    stability_limit_on_rps=15.1, break_even_rate_rps=None, restart_downtime_s=75.0, switch_cost_request_s=math.inf,
+    projected_gain_request_s=-1234.0, gain_horizon_s=14400.0,
+)  # fmt: skip
+D = Decision(Action.NONE, Reason.STEADY, "x", True, 4, ControllerPhase.PENDING)
+
+
+def test_record_and_read_back():
+    reg = CollectorRegistry()
+    ex = Exporter(reg)
+    ex.configure(60, 600)
+    state = ControllerState(applied_enabled=True, pending=PendingChange(False, None, 100.0, "r"))
+    ex.record(160.0, state, D, A, FailureReason.STALE, 2.1, ("change_confirmed:on", "change_failed:timeout"))
+    g = reg.get_sample_value
+    assert g("sd_predicted_speedup") == 1.8 and g("sd_decision_speedup") == 1.7
+    assert g("sd_acceptance_rate") == 0.55
+    assert g("sd_acceptance_source", {"source": "last"}) == 1 and g("sd_acceptance_source", {"source": "measured"}) == 0
+    assert g("sd_enabled") == 1 and g("sd_desired_enabled") == 1
+    assert g("sd_effective_batch_size") == 2.9  # the applied (on) state's batch
+    assert g("sd_controller_state", {"sd_controller_state": "pending"}) == 1
+    assert g("sd_controller_pending_age_seconds") == 60.0 and g("sd_controller_pending_timeout_seconds") == 600
+    assert g("sd_toggles_total", {"direction": "on"}) == 1 and g("sd_toggles_total", {"direction": "off"}) == 0
+    assert g("sd_controller_change_failures_total") == 1
+    assert g("sd_controller_observation_failures_total", {"reason": "stale"}) == 1
+    assert g("sd_controller_observation_failures_total", {"reason": "nan"}) == 0  # present from the start
+    assert g("sd_predicted_latency_seconds", {"mode": "on"}) == math.inf  # overloaded: +Inf, not NaN
+    assert g("sd_break_even_rate_rps") is None  # unknown is absent, not 0
+    assert g("sd_controller_last_decision_timestamp_seconds") == 160.0
+    assert g("sd_controller_build_info", {"version": "0.1.0"}) == 1
+    assert g("sd_observed_latency_seconds") == 2.1
+
+
+def test_served_over_http_and_parsed_back():
+    reg = CollectorRegistry()
+    ex = Exporter(reg)
+    ex.record(1.0, ControllerState(applied_enabled=False), D, A, None, None, ())
+    server = MetricsServer(reg, "127.0.0.1", 0, lambda: (True, "ok")).start()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        text = requests.get(f"{base}/metrics", timeout=5).text
+        names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+        for required in ("sd_predicted_speedup", "sd_acceptance_rate", "sd_draft_length", "sd_enabled", "sd_desired_enabled",
+                         "sd_effective_batch_size", "sd_arrival_rate_rps", "sd_controller_state", "sd_toggles_total",
+                         "sd_controller_observation_failures_total", "sd_controller_last_decision_timestamp_seconds",
+                         "sd_controller_build_info"):  # fmt: skip
+            assert required in names, required
+        assert requests.get(f"{base}/healthz", timeout=5).status_code == 200
+        assert requests.get(f"{base}/nope", timeout=5).status_code == 404
+    finally:
+        server.stop()
+    sick = MetricsServer(reg, "127.0.0.1", 0, lambda: (False, "last tick 500s ago")).start()
+    try:
+        r = requests.get(f"http://127.0.0.1:{sick.port}/healthz", timeout=5)
+        assert r.status_code == 503 and "500s" in r.text
+    finally:
+        sick.stop()
