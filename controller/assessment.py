@@ -119,9 +119,8 @@ def assess(
     )
     rate = obs.arrival_rate_rps
     if settings.price_switches:
-        ahead = projected_rate(
-            rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s, settings.dwell_s
-        )
+        lookahead = max(settings.dwell_s, settings.trend_lookahead_s)
+        ahead = projected_rate(rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s, lookahead)
         # Conservative toward the catastrophic side: SD at a load beyond its limit. A rising
         # trend is believed; a falling one is not (the load may come back before the dwell ends).
         eval_rate = max(rate, ahead)

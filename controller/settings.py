@@ -68,6 +68,7 @@ class Settings(BaseSettings):
     switch_margin: float = Field(1.5, ge=1, description="Switch only when projected gain exceeds the switch cost times this.")
     capacity_headroom: float = Field(0.9, gt=0, le=1, description="A state run above this fraction of its stability limit counts as overloaded when pricing (the model is a fluid one: real queues blow up before the limit).")
     long_window_s: float = Field(900.0, gt=0, description="Long rate window used with the short one to project the load trend.")
+    trend_lookahead_s: float = Field(900.0, ge=0, description="How far ahead a rising load trend is projected when deciding (at least the dwell).")
 
     # --- observation sources -----------------------------------------------------------------
     prometheus_url: str | None = Field(None, description="Prometheus base URL; when unset, vLLM's /metrics is scraped directly.")
