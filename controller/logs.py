@@ -9,6 +9,10 @@ import structlog
 
 
 def configure(fmt: str = "auto", level: str = "info") -> None:
+    """Route structlog to stderr at ``level``; ``fmt`` is auto, json or console.
+
+    No logger caching: tests swap the configuration with ``structlog.testing.capture_logs()``.
+    """
     json_lines = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
@@ -16,6 +20,7 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),

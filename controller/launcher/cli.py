@@ -15,7 +15,7 @@ import structlog
 
 from controller.errors import ConfigError, InputError
 from controller.launcher.admin import AdminServer
-from controller.launcher.logs import configure_logging
+from controller.logs import configure as configure_logs
 from controller.launcher.profile import parse_profile, shutdown_timeout_s, vllm_url
 from controller.launcher.state import INITIAL_STATES, initial_config, load_state
 from controller.launcher.supervisor import Supervisor, SupervisorOptions
@@ -125,7 +125,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the launcher until SIGTERM/SIGINT; exit with the child's status."""
-    configure_logging(args.log_level)
+    configure_logs(level=args.log_level)
     try:
         vllm_argv = _check_args(args)
         token = _read_token(args)
