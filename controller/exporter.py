@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Enum, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from controller import __version__
 from controller.assessment import AcceptanceSource, Assessment
+from controller.httpserver import BackgroundHTTPServer
 from controller.observation import FailureReason
 from controller.policy import ControllerPhase, Decision
 from controller.state import ControllerState
@@ -176,14 +177,16 @@ class Exporter:
         g("sd_restart_downtime_seconds", a.restart_downtime_s)
 
 
-class MetricsServer:
+class MetricsServer(BackgroundHTTPServer):
     """``/metrics`` and ``/healthz`` on a port of its own, in a daemon thread."""
+
+    thread_name = "sd-exporter"
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int, healthy: Callable[[], tuple[bool, str]]):
         reg = registry
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server API
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     body, ctype, code = generate_latest(reg), CONTENT_TYPE_LATEST, 200
@@ -201,15 +204,4 @@ class MetricsServer:
             def log_message(self, format: str, *args: object) -> None:  # quiet: structlog does logging
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="sd-exporter", daemon=True)
-
-    def start(self) -> MetricsServer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__((host, port), Handler)

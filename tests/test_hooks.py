@@ -12,7 +12,8 @@ import structlog
 from controller.errors import ConfigError
 from controller.hooks.base import ChangeRequest, HookError, HookPhase
 from controller.hooks.exec import ExecHook
-from controller.hooks.http import HttpHook, launcher_hook, parse_status, read_token
+from controller.hooks.http import HttpHook, launcher_hook, parse_status
+from controller.tokens import read_token
 
 TOKEN = "s3cr3t-token-value"
 
@@ -158,14 +159,15 @@ def test_parse_status_rejects(body):
 def test_token_file_and_env(tmp_path, monkeypatch):
     f = tmp_path / "token"
     f.write_text(TOKEN + "\n")
-    assert read_token(f, "X") == TOKEN
+    assert read_token(f, "X", "setting hook_token_file") == TOKEN
     monkeypatch.setenv("MY_TOKEN", "from-env")
-    assert read_token(None, "MY_TOKEN") == "from-env"
-    with pytest.raises(ConfigError, match="hook_token_file: cannot read"):
-        read_token(tmp_path / "missing", "X")
+    assert read_token(None, "MY_TOKEN", "setting hook_token_file") == "from-env"
+    assert read_token(None, "UNSET_TOKEN_VAR", "setting hook_token_file") is None
+    with pytest.raises(ConfigError, match="setting hook_token_file: cannot read"):
+        read_token(tmp_path / "missing", "X", "setting hook_token_file")
     (tmp_path / "empty").write_text("")
     with pytest.raises(ConfigError, match="is empty"):
-        read_token(tmp_path / "empty", "X")
+        read_token(tmp_path / "empty", "X", "setting hook_token_file")
 
 
 # --- exec hook: a real process, argv not shell, env carries the state -----------------------

@@ -17,13 +17,14 @@ from controller.commands._common import calibration_path
 from controller.errors import ConfigError, InputError
 from controller.hooks.base import Hook
 from controller.hooks.exec import ExecHook, NoHook
-from controller.hooks.http import HttpHook, launcher_hook, read_token
+from controller.hooks.http import HttpHook, launcher_hook
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
 from controller.settings import HookType, Settings, load_settings
 from controller.sources.prometheus import PrometheusSource, render_queries
 from controller.sources.vllm_metrics import VllmMetricsSource
 from controller.state_store import FileStateStore
+from controller.tokens import read_token
 
 log = structlog.get_logger("sd_controller")
 
@@ -72,7 +73,7 @@ def build_hook(s: Settings, applied_enabled: bool | None) -> Hook:
         return NoHook()
     if s.hook_type is HookType.EXEC:
         return ExecHook(s.hook_exec_argv, s.hook_exec_timeout_s, initial_enabled=applied_enabled)
-    token = read_token(s.hook_token_file, s.hook_token_env)
+    token = read_token(s.hook_token_file, s.hook_token_env, "setting hook_token_file")
     verify: bool | str = str(s.hook_ca_bundle) if s.hook_ca_bundle else s.hook_tls_verify
     kw = {"timeout_s": s.hook_timeout_s, "retries": s.hook_retries, "verify": verify}
     assert s.hook_url

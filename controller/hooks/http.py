@@ -8,29 +8,13 @@ only (a 4xx is an answer, not a glitch). The ``launcher`` hook is this one point
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
-from controller.errors import ConfigError
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
-
-
-def read_token(token_file: Path | None, token_env: str) -> str | None:
-    """The bearer token: the file wins over the env var; ConfigError if the file is unreadable."""
-    if token_file is not None:
-        try:
-            token = token_file.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(f"setting hook_token_file: cannot read {token_file}: {exc.strerror or exc}") from exc
-        if not token:
-            raise ConfigError(f"setting hook_token_file: {token_file} is empty")
-        return token
-    return os.environ.get(token_env) or None
 
 
 def redact_url(url: str) -> str:

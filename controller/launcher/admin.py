@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import hmac
 import json
-import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import structlog
 
 from controller.errors import InputError
+from controller.httpserver import BackgroundHTTPServer
 from controller.launcher.state import parse_request
 from controller.launcher.supervisor import Busy, Supervisor
 
@@ -40,31 +40,13 @@ def token_matches(expected: str | None, authorization: str | None) -> bool:
     return hmac.compare_digest(presented.strip().encode("utf-8"), expected.encode("utf-8"))
 
 
-class AdminServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class AdminServer(BackgroundHTTPServer):
+    thread_name = "admin-http"
 
     def __init__(self, address: tuple[str, int], supervisor: Supervisor, token: str | None) -> None:
         super().__init__(address, _Handler)
         self.supervisor = supervisor
         self.token = token
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> None:
-        """Serve in a daemon thread."""
-        self._thread = threading.Thread(target=self.serve_forever, name="admin-http", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
 
 
 class _Handler(BaseHTTPRequestHandler):

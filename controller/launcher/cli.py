@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import signal
 import sys
 import threading
@@ -15,10 +14,11 @@ import structlog
 
 from controller.errors import ConfigError, InputError
 from controller.launcher.admin import AdminServer
-from controller.logs import configure as configure_logs
 from controller.launcher.profile import parse_profile, shutdown_timeout_s, vllm_url
 from controller.launcher.state import INITIAL_STATES, initial_config, load_state
 from controller.launcher.supervisor import Supervisor, SupervisorOptions
+from controller.logs import configure as configure_logs
+from controller.tokens import read_token
 
 log = structlog.get_logger("controller.launcher.cli")
 
@@ -84,20 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_token(args: argparse.Namespace) -> str | None:
-    if args.admin_token_file:
-        try:
-            token = Path(args.admin_token_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(f"--admin-token-file {args.admin_token_file}: {exc.strerror}") from None
-        if not token:
-            raise ConfigError(f"--admin-token-file {args.admin_token_file}: file is empty")
-        return token
-    token = os.environ.get(TOKEN_ENV, "").strip()
-    if token:
-        return token
-    if args.insecure_no_token:
-        return None
-    raise ConfigError(f"no admin token: set {TOKEN_ENV} or --admin-token-file (or --insecure-no-token)")
+    token = read_token(args.admin_token_file, TOKEN_ENV, f"--admin-token-file {args.admin_token_file}")
+    if token is None and not args.insecure_no_token:
+        raise ConfigError(f"no admin token: set {TOKEN_ENV} or --admin-token-file (or --insecure-no-token)")
+    return token
 
 
 def _is_loopback(host: str) -> bool:

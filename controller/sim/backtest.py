@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 
@@ -280,6 +281,8 @@ class RecordedPrometheus(PrometheusSource):
             resp = self._session.get(url, params=params, timeout=max(self.timeout_s, 30.0))
         except (requests.ConnectionError, requests.Timeout) as exc:
             raise BacktestRuntimeError(f"Prometheus {self.url} unreachable: {type(exc).__name__}") from None
+        except requests.RequestException as exc:
+            raise BacktestRuntimeError(f"Prometheus {self.url}: {type(exc).__name__}") from None
         try:
             body = resp.json()
         except ValueError:
@@ -576,6 +579,9 @@ def _steps_from_args(args: argparse.Namespace, settings) -> tuple[list[Step], st
                 raise InputError(f"--{opt} is for --prometheus-url; a CSV is replayed whole")
         rows = read_rows(Path(args.csv))
         return steps_from_rows(rows), f"CSV {args.csv}"
+    parts = urlsplit(args.prometheus_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"--prometheus-url {args.prometheus_url!r}: must be an http(s) URL with a host")
     if not args.start:
         raise InputError("--start is required with --prometheus-url")
     start = parse_time(args.start, "--start")

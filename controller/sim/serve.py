@@ -9,17 +9,14 @@ traces faster, e.g. at 60 a 24 h scenario's load curve passes in 24 minutes.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 from controller.commands._common import EXAMPLE_CALIBRATION, calibration_path, exits_on_input_error
 from controller.errors import ConfigError
-
-TOKEN_ENV = "SD_LAUNCHER_ADMIN_TOKEN"
+from controller.launcher.cli import TOKEN_ENV, _read_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,23 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def read_token(args: argparse.Namespace) -> str | None:
-    if args.admin_token_file:
-        try:
-            token = Path(args.admin_token_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(f"--admin-token-file {args.admin_token_file}: {exc.strerror or exc}") from None
-        if not token:
-            raise ConfigError(f"--admin-token-file {args.admin_token_file}: file is empty")
-        return token
-    token = os.environ.get(TOKEN_ENV, "").strip()
-    if token:
-        return token
-    if args.insecure_no_token:
-        return None
-    raise ConfigError(f"no admin token: set {TOKEN_ENV} or --admin-token-file (or --insecure-no-token)")
-
-
 def build(args: argparse.Namespace):
     """The SimulatedServer described by the arguments (not started)."""
     import time as _time
@@ -78,7 +58,7 @@ def build(args: argparse.Namespace):
             raise ConfigError("--restart-s must be >= 0")
         scenario = scenario.with_changes(engine={"restart_downtime_s": args.restart_s, "restart_jitter_s": 0.0})
     model = calibration.load(calibration_path(args.calibration)).latency_model()
-    token = read_token(args)
+    token = _read_token(args)
     engine = Engine(scenario, model, epoch_s=_time.time(), model_name=args.model_name, trace_speed=args.speed)
     try:
         return SimulatedServer(engine, port=args.port, admin_port=args.admin_port, token=token)

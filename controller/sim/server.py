@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from controller.hooks.base import HookError
+from controller.httpserver import BackgroundHTTPServer
 from controller.launcher.admin import AdminServer
 from controller.launcher.state import SwitchRequest
 from controller.launcher.supervisor import Busy, SwitchOutcome
@@ -71,32 +72,15 @@ class SimClock:
         self._thread.join(timeout=5)
 
 
-class MetricsServer(ThreadingHTTPServer):
+class MetricsServer(BackgroundHTTPServer):
     """GET /metrics (vLLM exposition; 503 while restarting) and GET /health."""
 
-    daemon_threads = True
-    allow_reuse_address = True
+    thread_name = "sim-metrics"
 
     def __init__(self, address: tuple[str, int], engine: Engine, lock: threading.Lock) -> None:
         super().__init__(address, _MetricsHandler)
         self.engine = engine
         self.lock = lock
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve_forever, name="sim-metrics", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):

@@ -1,0 +1,29 @@
+"""Bearer tokens for the admin API: read from a file or an environment variable.
+
+Shared by the daemon's hooks, the launcher and the simulator. A token never appears in a log
+line, a status body or an error message: errors name the file or variable, not the value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from controller.errors import ConfigError
+
+
+def read_token(token_file: str | os.PathLike[str] | None, env_var: str, file_option: str) -> str | None:
+    """The token from ``token_file`` (wins) or ``env_var``; None when neither is set.
+
+    ``file_option`` names the setting or flag in errors (an unreadable or empty file).
+    """
+    if token_file:
+        path = Path(token_file)
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"{file_option}: cannot read {path}: {exc.strerror or exc}") from None
+        if not token:
+            raise ConfigError(f"{file_option}: {path} is empty")
+        return token
+    return os.environ.get(env_var, "").strip() or None
