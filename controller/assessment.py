@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
-from controller.model import LatencyModel, Workload, best_draft_length, break_even_rates, predict_point
+from controller.model import (
+    LatencyModel,
+    Workload,
+    best_draft_length,
+    break_even_rates,
+    predict_point,
+    throughput_at_batch,
+)
 from controller.observation import Observation
 from controller.settings import Settings
 from controller.state import ControllerState
@@ -92,6 +99,7 @@ class Assessment:
     switch_cost_request_s: float  # of switching away from the applied state
     projected_gain_request_s: float  # of the other state over the horizon (negative: a loss)
     gain_horizon_s: float = 0.0  # how long the other state is expected to stay right
+    congested: bool = False  # the running batch is full with a queue behind it
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -151,7 +159,26 @@ def assess(
         p = predict_point(model, r, acc.alpha, gamma_on, workload, en)
         return p.latency_on_s if currently_on else p.latency_off_s
 
-    cost = switch_cost(eval_rate, downtime, cap_new, settings.replicas, cap_cur, latency_current)
+    # After a restart the backlog (λ·D arrivals) fills the batch; past a compute knee a fuller
+    # batch completes *fewer* requests per second, so price the drain at the batch it will run.
+    cap_m = float(model.max_num_seqs)
+    lat_new_steady = lat_new if math.isfinite(lat_new) else 0.0
+    drain_batch = min(cap_m, eval_rate * downtime + eval_rate * lat_new_steady)
+    drain_capacity = min(
+        cap_new,
+        throughput_at_batch(model, drain_batch, not currently_on, acc.alpha, gamma_on, workload, en),
+    )
+    cost = switch_cost(eval_rate, downtime, drain_capacity, settings.replicas, cap_cur, latency_current)
+    # A full batch with a queue behind it is the congested branch, whatever the fluid model's
+    # smallest fixed point says: the current state is overloaded in fact.
+    congested = (
+        obs.running is not None and obs.running >= 0.95 * cap_m and (obs.waiting or 0.0) > 0.0
+    )
+    if congested:
+        lat_cur = math.inf
+    decision_speedup = eval_p.speedup
+    if congested and currently_on:
+        decision_speedup = 0.0  # SD is the state that fell behind
     # The new state pays off until the load trend would switch it back: SD just enabled lasts
     # until load rises to the disable break-even; SD just disabled until load falls to enable's.
     slope = trend_slope(rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s)
@@ -175,7 +202,7 @@ def assess(
         draft_length=gamma_on,
         best_draft_length=best.draft_length,
         predicted_speedup=now_p.speedup,
-        decision_speedup=eval_p.speedup,
+        decision_speedup=decision_speedup,
         latency_off_s=now_p.latency_off_s,
         latency_on_s=now_p.latency_on_s,
         batch_off=now_p.batch_off,
@@ -187,6 +214,7 @@ def assess(
         switch_cost_request_s=cost,
         projected_gain_request_s=gain,
         gain_horizon_s=horizon,
+        congested=congested,
     )
 
 

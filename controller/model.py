@@ -719,6 +719,29 @@ def best_draft_length(
     return DraftChoice(best.draft_length, best.speedup, best.latency_on_s)
 
 
+def throughput_at_batch(
+    model: LatencyModel,
+    batch: float,
+    sd: bool,
+    alpha: float,
+    draft_length: int,
+    workload: Workload,
+    accepted_length: float | None = None,
+) -> float:
+    """Requests per second a mode completes with ``batch`` requests running: B / T(B).
+
+    Past a compute knee this *falls* with the batch, so a server pushed to a full batch (the
+    backlog after a restart) can drain slower than its stability limit suggests, or not at all.
+    """
+    if batch <= 0:
+        return 0.0
+    en = _accepted_length(alpha, draft_length) if accepted_length is None else accepted_length
+    en = min(max(en, 1.0), draft_length + 1.0)
+    mode = _linearize(model, workload, sd and draft_length > 0, en, float(max(draft_length, 1)))
+    t = float(np.asarray(mode.latency(float(batch), model.moe)))
+    return batch / t if t > 0 else math.inf
+
+
 def stability_limits(
     model: LatencyModel, alpha: float, draft_length: int, workload: Workload
 ) -> tuple[float, float]:

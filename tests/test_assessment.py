@@ -82,3 +82,32 @@ def test_near_the_limit_a_state_counts_as_overloaded_when_pricing():
     assert a.projected_gain_request_s == float("inf")
     relaxed = assess(MODEL, Settings(calibration_file="example", capacity_headroom=1.0), on, obs, True, 4, T)
     assert relaxed.projected_gain_request_s < relaxed.switch_cost_request_s  # the fluid view alone would stay
+
+
+def test_full_batch_with_a_queue_is_congested_whatever_the_fluid_model_says():
+    # 8 req/s is comfortable for SD by the model, but the server reports a full batch and a
+    # queue (the backlog after a restart pushed it onto the congested branch).
+    obs = Observation(T, 8.0, acceptance_rate=0.6, mean_draft_tokens=4.0, running=256.0, waiting=40.0)
+    on = ControllerState(applied_enabled=True, applied_draft_length=4)
+    a = assess(MODEL, S, on, obs, True, 4, T)
+    assert a.congested and a.decision_speedup == 0.0 and a.projected_gain_request_s == float("inf")
+    calm = assess(MODEL, S, on, Observation(T, 8.0, acceptance_rate=0.6, mean_draft_tokens=4.0, running=20.0, waiting=0.0), True, 4, T)
+    assert not calm.congested and calm.decision_speedup > 1.2
+
+
+def test_drain_is_priced_at_the_full_batch_throughput():
+    from controller.model import stability_limits, throughput_at_batch
+
+    from controller.acceptance import alpha_from_vllm_rate
+
+    alpha = float(alpha_from_vllm_rate(0.6, 4))
+    w = Workload(512, 256)
+    _, mu_on = stability_limits(MODEL, alpha, 4, w)
+    # Past the verify knee a full batch completes fewer requests per second than the limit.
+    assert throughput_at_batch(MODEL, 256, True, alpha, 4, w) < mu_on
+    # Enabling SD at 14 req/s (below its 15.1 limit) after a 90 s restart: the backlog fills the
+    # batch, which then completes only 13.7 req/s: priced as never recovering.
+    off = ControllerState(applied_enabled=False)
+    obs = Observation(T, 14.0, acceptance_rate=None, mean_prompt_tokens=512, mean_gen_tokens=256)
+    a = assess(MODEL, S, off, obs, False, None, T)
+    assert a.switch_cost_request_s == float("inf")
