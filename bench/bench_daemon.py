@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.calibration import load  # noqa: E402
-from controller.commands._common import example_calibration_path  # noqa: E402
-from controller.hooks.exec import NoHook  # noqa: E402
-from controller.loop import Controller  # noqa: E402
-from controller.settings import Settings  # noqa: E402
-from controller.sources.vllm_metrics import VllmMetricsSource  # noqa: E402
-from tests.support.fake_vllm import FakeVllmServer  # noqa: E402
+from controller.calibration import load
+from controller.commands._common import example_calibration_path
+from controller.hooks.exec import NoHook
+from controller.loop import Controller
+from controller.settings import Settings
+from controller.sources.vllm_metrics import VllmMetricsSource
+from tests.support.fake_vllm import FakeVllmServer
 
 
 def cpu_per_tick(ticks: int = 2000) -> float:
@@ -36,7 +36,7 @@ def cpu_per_tick(ticks: int = 2000) -> float:
     from controller.logs import configure
 
     configure("json", "info")
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=open(os.devnull, "w")))
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=open(os.devnull, "w")))  # noqa: SIM115 - lives as long as the process
     t = [1_800_000_000.0]
     vllm = FakeVllmServer(clock=lambda: t[0])
     # vLLM's side (rendering the payload) happens before the clock starts: only our work counts.
@@ -67,7 +67,9 @@ def cpu_per_tick(ticks: int = 2000) -> float:
     for i in range(ticks):
         src.observe(60.0 * i)
     parse = (time.process_time() - start) / ticks
-    print(f"payload: {lines} lines (fake vLLM); parsing a real vLLM 0.32 capture ({real_text.count(chr(10))} lines): {parse * 1e3:.2f} ms")
+    print(
+        f"payload: {lines} lines (fake vLLM); parsing a real vLLM 0.32 capture ({real_text.count(chr(10))} lines): {parse * 1e3:.2f} ms"
+    )
     return per_tick
 
 
@@ -90,7 +92,9 @@ def daemon_rss(seconds: float = 20.0) -> tuple[float, int]:
         try:
             end = time.monotonic() + seconds
             while time.monotonic() < end:
-                vllm.advance(requests=5, prompt_tokens=2560, gen_tokens=1280, drafts=40, draft_tokens=160, accepted_tokens=96)
+                vllm.advance(
+                    requests=5, prompt_tokens=2560, gen_tokens=1280, drafts=40, draft_tokens=160, accepted_tokens=96
+                )
                 status = Path(f"/proc/{proc.pid}/status").read_text()
                 rss_kb = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
                 peak = max(peak, rss_kb / 1024)
@@ -104,7 +108,9 @@ def daemon_rss(seconds: float = 20.0) -> tuple[float, int]:
 
 def main() -> None:
     per_tick = cpu_per_tick()
-    print(f"CPU per tick (parse /metrics + assess + decide + export + state), in process: {per_tick * 1e3:.2f} ms   target <= 10 ms")
+    print(
+        f"CPU per tick (parse /metrics + assess + decide + export + state), in process: {per_tick * 1e3:.2f} ms   target <= 10 ms"
+    )
     peak, scrapes = daemon_rss()
     print(f"daemon peak RSS over 20 s ({scrapes} ticks, direct scraping):            {peak:.1f} MB   target <= 80 MB")
 

@@ -71,9 +71,7 @@ def main() -> None:
             f"threshold (running<{thr:.0f})": runner.run_threshold(sc, model, thr, warmup_s=WARMUP_S),
         }
         for label, overrides in variants:
-            results[label] = runner.run_controller(
-                sc, model, runner.default_settings(**overrides), warmup_s=WARMUP_S
-            )
+            results[label] = runner.run_controller(sc, model, runner.default_settings(**overrides), warmup_s=WARMUP_S)
         ref = oracle.summary()
         for label, r in results.items():
             s = r.summary()
@@ -85,8 +83,10 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, label, mean, rm, p99, rp, toggles, lost in rows:
         print(f"| {name} | {label} | {mean:.2f} | {rm:.2f} | {p99:.1f} | {rp:.2f} | {toggles} | {lost} |")
-    print(f"\n(total {time.perf_counter() - started:.0f} s; latency of every request after {WARMUP_S:.0f} s "
-          "warm-up, unfinished ones counted up to the end)")
+    print(
+        f"\n(total {time.perf_counter() - started:.0f} s; latency of every request after {WARMUP_S:.0f} s "
+        "warm-up, unfinished ones counted up to the end)"
+    )
 
 
 if __name__ == "__main__":

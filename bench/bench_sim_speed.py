@@ -44,7 +44,11 @@ def main() -> None:
     sim_s = args.hours * 3600
     print(f"simulated {args.hours:g} h at 1 s ticks, diurnal 1..{args.peak:g} req/s, example calibration")
     print(f"{'run':<28}{'wall s':>9}{'sim s / wall s':>16}{'requests':>11}{'wall s per 24 h':>17}")
-    for label, sd, scrape in (("SD off", False, False), ("SD on", True, False), ("SD on, /metrics every 15 s", True, True)):
+    for label, sd, scrape in (
+        ("SD off", False, False),
+        ("SD on", True, False),
+        ("SD on, /metrics every 15 s", True, True),
+    ):
         engine = Engine(day(args.hours, args.peak, sd), model)
         start = time.perf_counter()
         if scrape:

@@ -128,7 +128,9 @@ def assess(
     rate = obs.arrival_rate_rps
     if settings.price_switches:
         lookahead = max(settings.dwell_s, settings.trend_lookahead_s)
-        ahead = projected_rate(rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s, lookahead)
+        ahead = projected_rate(
+            rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s, lookahead
+        )
         # Conservative toward the catastrophic side: SD at a load beyond its limit. A rising
         # trend is believed; a falling one is not (the load may come back before the dwell ends).
         eval_rate = max(rate, ahead)
@@ -171,9 +173,7 @@ def assess(
     cost = switch_cost(eval_rate, downtime, drain_capacity, settings.replicas, cap_cur, latency_current)
     # A full batch with a queue behind it is the congested branch, whatever the fluid model's
     # smallest fixed point says: the current state is overloaded in fact.
-    congested = (
-        obs.running is not None and obs.running >= 0.95 * cap_m and (obs.waiting or 0.0) > 0.0
-    )
+    congested = obs.running is not None and obs.running >= 0.95 * cap_m and (obs.waiting or 0.0) > 0.0
     if congested:
         lat_cur = math.inf
     decision_speedup = eval_p.speedup
@@ -191,7 +191,12 @@ def assess(
     if eval_rate > settings.capacity_headroom * cap_new:
         lat_new = math.inf
     horizon = gain_horizon(
-        eval_rate, slope, undo_rate, rising_undoes=not currently_on, min_s=settings.dwell_s, max_s=max(settings.gain_horizon_max_s, settings.dwell_s)
+        eval_rate,
+        slope,
+        undo_rate,
+        rising_undoes=not currently_on,
+        min_s=settings.dwell_s,
+        max_s=max(settings.gain_horizon_max_s, settings.dwell_s),
     )
     gain = switch_gain(eval_rate, horizon, lat_cur, lat_new, cap_cur, cap_new)
     return Assessment(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -22,10 +23,8 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o
         os.chmod(tmp_name, mode)
         os.replace(tmp_name, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
         raise
     # Persist the rename itself (directory entry) so a crash cannot resurrect the old file.
     dir_fd = os.open(target.parent, os.O_RDONLY)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import hashlib
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -194,9 +195,7 @@ def parse(text: str, where: str = "calibration") -> CalibrationFile:
         raise InputError(f"{where}: top level must be a JSON object")
     version = raw.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise InputError(
-            f"{where}: schema_version {version!r} is not supported (this build reads {SCHEMA_VERSION})"
-        )
+        raise InputError(f"{where}: schema_version {version!r} is not supported (this build reads {SCHEMA_VERSION})")
     try:
         return CalibrationFile.model_validate(raw)
     except ValidationError as exc:
@@ -282,9 +281,7 @@ def read_bench_csv(path: str | Path) -> tuple[list[BenchRow], str]:
         line = i + 2  # header is line 1
         phase = (r["phase"] or "").strip().lower()
         if phase not in PHASES:
-            raise InputError(
-                f"{p}:{line}: column phase: unknown phase {phase!r} (expected {'|'.join(PHASES)})"
-            )
+            raise InputError(f"{p}:{line}: column phase: unknown phase {phase!r} (expected {'|'.join(PHASES)})")
         batch = _number(p, line, "batch_size", r["batch_size"], int)
         tps = _number(p, line, "tokens_per_seq", r["tokens_per_seq"], int)
         ctx = _number(p, line, "context_len", r["context_len"])
@@ -323,9 +320,15 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
             raise InputError(f"{p}:{line}: mean_e2e_s and mean_gen_tokens must be > 0")
         rows.append(
             LoadRow(
-                vals["rate"], sd == "on", int(vals["draft_length"]), vals["acceptance_rate"],
-                vals["mean_e2e_s"], vals["mean_prompt_tokens"], vals["mean_gen_tokens"], line,
-            )  # fmt: skip
+                vals["rate"],
+                sd == "on",
+                int(vals["draft_length"]),
+                vals["acceptance_rate"],
+                vals["mean_e2e_s"],
+                vals["mean_prompt_tokens"],
+                vals["mean_gen_tokens"],
+                line,
+            )
         )
     return rows, digest
 
@@ -443,9 +446,7 @@ def _bic(n: int, sse: float, params: int) -> float:
     return n * math.log(max(sse, 1e-300) / n) + params * math.log(n)
 
 
-def fit_phase(
-    rows: Sequence[BenchRow], moe: Moe | None = None, where: str = "bench"
-) -> PhaseSpec:
+def fit_phase(rows: Sequence[BenchRow], moe: Moe | None = None, where: str = "bench") -> PhaseSpec:
     """Fit one phase: a + b·x (+ c·z) by weighted least squares, with one knee where a line won't do.
 
     x = batch_size·tokens_per_seq (MoE: effective tokens), z = batch_size·context_len. The knee
@@ -487,7 +488,7 @@ def fit_phase(
     resid = y - pred
     bounds = [0.0, *(k.at_tokens for k in best.spec.knees), math.inf]
     segments = []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         mask = (x > lo if lo > 0 else x >= lo) & (x <= hi)
         seg_y, seg_p = y[mask], pred[mask]
         segments.append(
@@ -529,7 +530,13 @@ def fit_phases(
         specs["draft"] = PhaseSpec(
             intercept_s=0.0,
             slope_s_per_token=0.0,
-            fit=PhaseFit(n=0, r2=None, rmse_s=0.0, max_abs_residual_s=0.0, notes=["no draft rows: drafting taken as free (n-gram)"]),
+            fit=PhaseFit(
+                n=0,
+                r2=None,
+                rmse_s=0.0,
+                max_abs_residual_s=0.0,
+                notes=["no draft rows: drafting taken as free (n-gram)"],
+            ),
         )
     return Phases(**specs)
 

@@ -106,7 +106,9 @@ class Exporter:
         )
         self.change_failures = Counter("sd_controller_change_failures", "Changes that failed or timed out", registry=r)
         self.floor_trips = Counter("sd_controller_acceptance_floor_trips", "Acceptance-floor disables", registry=r)
-        self.decisions = Counter("sd_controller_decisions", "Decisions by action and reason", ["action", "reason"], registry=r)
+        self.decisions = Counter(
+            "sd_controller_decisions", "Decisions by action and reason", ["action", "reason"], registry=r
+        )
         Info("sd_controller_build", "Build information", registry=r).info({"version": __version__})
         for reason in FailureReason:
             self.failures.labels(reason.value)  # every reason visible at 0 from the start

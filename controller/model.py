@@ -183,19 +183,13 @@ def _relu(v):
 
 def _step(cost: StepCost, tokens, context_tokens):
     """Step cost on floats or arrays (the scalar path must not pay numpy's per-call overhead)."""
-    t = (
-        cost.intercept_s
-        + cost.slope_s_per_token * tokens
-        + cost.context_s_per_token * context_tokens
-    )
+    t = cost.intercept_s + cost.slope_s_per_token * tokens + cost.context_s_per_token * context_tokens
     for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
         t = t + delta * _relu(tokens - knee)
     return t
 
 
-def _linearize(
-    model: LatencyModel, workload: Workload, sd: bool, accepted_length, draft_length
-) -> _Mode:
+def _linearize(model: LatencyModel, workload: Workload, sd: bool, accepted_length, draft_length) -> _Mode:
     """T(B) for one mode. Inputs are floats (scalar path) or broadcastable arrays."""
     p, g = workload.prompt_tokens, workload.gen_tokens
     ctx = p + g / 2.0
@@ -233,19 +227,17 @@ def _segments(mode: _Mode) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     shape = mode.shape()
     c0, c1 = np.broadcast_to(mode.c0, shape), np.broadcast_to(mode.c1, shape)
     if not mode.hinge_at:
-        inf = np.full(shape + (1,), np.inf)
-        return np.zeros(shape + (1,)), inf, c0[..., None], c1[..., None]
+        inf = np.full((*shape, 1), np.inf)
+        return np.zeros((*shape, 1)), inf, c0[..., None], c1[..., None]
     at = np.stack([np.broadcast_to(a, shape) for a in mode.hinge_at], axis=-1)
     w = np.stack([np.broadcast_to(x, shape) for x in mode.hinge_w], axis=-1)
     order = np.argsort(at, axis=-1)
     at = np.take_along_axis(at, order, axis=-1)
     w = np.take_along_axis(w, order, axis=-1)
     slopes = np.concatenate([c1[..., None], c1[..., None] + np.cumsum(w, axis=-1)], axis=-1)
-    intercepts = np.concatenate(
-        [c0[..., None], c0[..., None] - np.cumsum(w * at, axis=-1)], axis=-1
-    )
-    starts = np.concatenate([np.zeros(shape + (1,)), at], axis=-1)
-    ends = np.concatenate([at, np.full(shape + (1,), np.inf)], axis=-1)
+    intercepts = np.concatenate([c0[..., None], c0[..., None] - np.cumsum(w * at, axis=-1)], axis=-1)
+    starts = np.concatenate([np.zeros((*shape, 1)), at], axis=-1)
+    ends = np.concatenate([at, np.full((*shape, 1), np.inf)], axis=-1)
     return starts, ends, intercepts, slopes
 
 
@@ -266,10 +258,7 @@ def _stability_limit(mode: _Mode, cap: float, moe: Moe | None) -> np.ndarray:
     the maximum sits at a knee or at the cap. With MoE terms it is searched on a grid instead.
     """
     c0 = np.broadcast_to(mode.c0, mode.shape())
-    if moe is not None and mode.moe_coef:
-        grid = np.linspace(0.0, cap, 513)[1:]
-    else:
-        grid = np.array([cap], dtype=float)
+    grid = np.linspace(0.0, cap, 513)[1:] if moe is not None and mode.moe_coef else np.array([cap], dtype=float)
     candidates = [np.broadcast_to(grid, c0.shape + grid.shape)]
     for at in mode.hinge_at:
         a = np.broadcast_to(at, c0.shape)[..., None]
@@ -379,22 +368,14 @@ def predict(
     if np.any(rate < 0) or not np.all(np.isfinite(rate)):
         raise ValueError("arrival rate must be finite and >= 0")
     gamma = np.asarray(draft_length, dtype=float)
-    en = (
-        tokens_per_step(alpha, gamma)
-        if accepted_length is None
-        else np.asarray(accepted_length, dtype=float)
-    )
+    en = tokens_per_step(alpha, gamma) if accepted_length is None else np.asarray(accepted_length, dtype=float)
     en = np.clip(en, 1.0, gamma + 1.0)
     rate, gamma, en = np.broadcast_arrays(rate, gamma, en)
     cap = float(model.max_num_seqs)
     off = _solve(_linearize(model, workload, False, en, gamma), rate, cap, model.moe)
-    on_sd = _solve(
-        _linearize(model, workload, True, en, np.maximum(gamma, 1.0)), rate, cap, model.moe
-    )
+    on_sd = _solve(_linearize(model, workload, True, en, np.maximum(gamma, 1.0)), rate, cap, model.moe)
     no_draft = gamma <= 0
-    on = ModePrediction(
-        *(np.where(no_draft, a, b) for a, b in zip(_fields(off), _fields(on_sd), strict=True))
-    )
+    on = ModePrediction(*(np.where(no_draft, a, b) for a, b in zip(_fields(off), _fields(on_sd), strict=True)))
     return Prediction(off, on, _speedup(off, on), en)
 
 
@@ -574,9 +555,7 @@ def predict_point(
     )
 
 
-def speedup_point(
-    model: LatencyModel, rate_rps: float, alpha: float, draft_length: int, workload: Workload
-) -> float:
+def speedup_point(model: LatencyModel, rate_rps: float, alpha: float, draft_length: int, workload: Workload) -> float:
     """Scalar speedup T_off / T_on at one point (see :class:`Prediction` for overload)."""
     if model.moe is not None:
         return predict_point(model, rate_rps, alpha, draft_length, workload).speedup
@@ -674,9 +653,7 @@ def _break_even_grid(
         lo, hi, found = 0.0, top, False
         for _ in range(5):  # each round narrows the bracket 200-fold
             rates = np.linspace(lo, hi, 201)[1:]
-            below = (
-                predict(model, rates, alpha, draft_length, workload, accepted_length).speedup < th
-            )
+            below = predict(model, rates, alpha, draft_length, workload, accepted_length).speedup < th
             if not below.any():
                 break
             found = True
@@ -711,11 +688,7 @@ def best_draft_length(
         raise ValueError("draft length candidates must be integers >= 1")
     points = [predict_point(model, rate_rps, alpha, g, workload) for g in gammas]
     stable = [p for p in points if not p.overloaded_on]
-    best = (
-        min(stable, key=lambda p: p.latency_on_s)
-        if stable
-        else max(points, key=lambda p: p.speedup)
-    )
+    best = min(stable, key=lambda p: p.latency_on_s) if stable else max(points, key=lambda p: p.speedup)
     return DraftChoice(best.draft_length, best.speedup, best.latency_on_s)
 
 
@@ -742,9 +715,7 @@ def throughput_at_batch(
     return batch / t if t > 0 else math.inf
 
 
-def stability_limits(
-    model: LatencyModel, alpha: float, draft_length: int, workload: Workload
-) -> tuple[float, float]:
+def stability_limits(model: LatencyModel, alpha: float, draft_length: int, workload: Workload) -> tuple[float, float]:
     """(limit without SD, limit with SD) in requests per second."""
     p = predict_point(model, 0.0, alpha, draft_length, workload)
     return p.stability_limit_off_rps, p.stability_limit_on_rps

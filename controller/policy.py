@@ -105,7 +105,9 @@ def reconcile(
     """Fold what the hook reports into the state; returns the new state and events."""
     events: list[str] = []
     if status.restart_durations_s:
-        state = dataclasses.replace(state, restart_durations_s=tuple(status.restart_durations_s)[-MAX_RESTART_DURATIONS:])
+        state = dataclasses.replace(
+            state, restart_durations_s=tuple(status.restart_durations_s)[-MAX_RESTART_DURATIONS:]
+        )
     p = state.pending
     if p is not None:
         if status.phase is HookPhase.READY and status.applied_enabled == p.enabled:
@@ -164,9 +166,7 @@ def _remember(state: ControllerState, obs: Observation, a: Assessment, now: floa
     """Keep what we will need while SD is off (acceptance) or the server idles (workload)."""
     changes: dict = {}
     if a.acceptance.source is AcceptanceSource.MEASURED:
-        changes.update(
-            last_acceptance_rate=a.acceptance.rate, last_alpha=a.acceptance.alpha, last_acceptance_at=now
-        )
+        changes.update(last_acceptance_rate=a.acceptance.rate, last_alpha=a.acceptance.alpha, last_acceptance_at=now)
     if obs.mean_prompt_tokens is not None and obs.mean_gen_tokens is not None and obs.mean_gen_tokens > 0:
         changes.update(last_prompt_tokens=obs.mean_prompt_tokens, last_gen_tokens=obs.mean_gen_tokens)
     return dataclasses.replace(state, **changes) if changes else state
@@ -206,7 +206,11 @@ def decide(
         return Decision(action, reason, detail, desired, dl, _phase(st, override, now), tuple(events)), st
 
     failure = usable(observation, settings)
-    if isinstance(observation, Observation) and state.applied_enabled is None and observation.sd_series_present is not None:
+    if (
+        isinstance(observation, Observation)
+        and state.applied_enabled is None
+        and observation.sd_series_present is not None
+    ):
         state = dataclasses.replace(state, applied_enabled=observation.sd_series_present)
     if failure is None and assessment is not None and isinstance(observation, Observation):
         state = _remember(state, observation, assessment, now)
@@ -230,7 +234,13 @@ def decide(
     if state.applied_enabled is None:
         return out(Action.NONE, Reason.APPLIED_UNKNOWN, "hook and metrics do not say whether SD is on", None, state)
     if state.pending is not None:
-        return out(Action.NONE, Reason.PENDING, f"waiting for {'on' if state.pending.enabled else 'off'}", state.pending.enabled, state)
+        return out(
+            Action.NONE,
+            Reason.PENDING,
+            f"waiting for {'on' if state.pending.enabled else 'off'}",
+            state.pending.enabled,
+            state,
+        )
 
     state, floor_hit, floor_events = _floor(state, assessment, settings, now)
     events.extend(floor_events)
@@ -242,9 +252,12 @@ def decide(
         return out(Action.NONE, Reason.STEADY, f"speedup {s:.3f} within hysteresis", on, state)
 
     if floor_hit:
-        reason, detail = Reason.ACCEPTANCE_FLOOR, (
-            f"acceptance {assessment.acceptance.rate:.3f} < {settings.acceptance_floor} for "
-            f"{now - (state.low_acceptance_since or now):.0f}s"
+        reason, detail = (
+            Reason.ACCEPTANCE_FLOOR,
+            (
+                f"acceptance {assessment.acceptance.rate:.3f} < {settings.acceptance_floor} for "
+                f"{now - (state.low_acceptance_since or now):.0f}s"
+            ),
         )
     elif want_off:
         reason, detail = Reason.SPEEDUP_LOW, f"speedup {s:.3f} < {settings.disable_threshold}"

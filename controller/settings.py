@@ -42,66 +42,158 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
     # --- loop and decision -------------------------------------------------------------------
-    evaluation_interval_s: float = Field(60.0, gt=0, description="Seconds between ticks (observe, predict, decide, act).")
+    evaluation_interval_s: float = Field(
+        60.0, gt=0, description="Seconds between ticks (observe, predict, decide, act)."
+    )
     enable_threshold: float = Field(1.2, gt=0, description="Enable SD when the predicted speedup is above this.")
     disable_threshold: float = Field(1.05, gt=0, description="Disable SD when the predicted speedup is below this.")
     dwell_s: float = Field(300.0, ge=0, description="Minimum seconds between two applied changes.")
-    pending_timeout_s: float = Field(600.0, gt=0, description="A change not confirmed by the hook within this many seconds is marked failed.")
-    failure_backoff_s: float = Field(300.0, gt=0, description="Wait after a failed change before trying again; doubles per consecutive failure.")
+    pending_timeout_s: float = Field(
+        600.0, gt=0, description="A change not confirmed by the hook within this many seconds is marked failed."
+    )
+    failure_backoff_s: float = Field(
+        300.0, gt=0, description="Wait after a failed change before trying again; doubles per consecutive failure."
+    )
     failure_backoff_max_s: float = Field(3600.0, gt=0, description="Upper bound of the failure backoff.")
-    acceptance_floor: float = Field(0.4, ge=0, le=1, description="Rolling acceptance below this for acceptance_floor_window_s disables SD whatever the model says.")
+    acceptance_floor: float = Field(
+        0.4,
+        ge=0,
+        le=1,
+        description="Rolling acceptance below this for acceptance_floor_window_s disables SD whatever the model says.",
+    )
     acceptance_floor_window_s: float = Field(600.0, gt=0, description="How long acceptance must stay below the floor.")
-    acceptance_prior: float = Field(0.6, ge=0, le=1, description="vLLM-style acceptance rate assumed when none was ever measured or the last one is too old.")
-    acceptance_max_age_s: float = Field(21600.0, gt=0, description="A measured acceptance older than this (SD off for long) is replaced by the prior.")
-    max_observation_age_s: float = Field(180.0, gt=0, description="Observations whose newest sample is older than this are stale: hold.")
-    draft_length: int = Field(4, ge=1, le=64, description="num_speculative_tokens used when SD is enabled (and assumed for the running config if the hook does not report it).")
-    adapt_draft_length: bool = Field(False, description="When enabling SD, request the model's best draft length instead of draft_length.")
-    draft_length_candidates: list[int] = Field(default_factory=lambda: list(range(1, 17)), description="Draft lengths searched for the best one.")
+    acceptance_prior: float = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="vLLM-style acceptance rate assumed when none was ever measured or the last one is too old.",
+    )
+    acceptance_max_age_s: float = Field(
+        21600.0, gt=0, description="A measured acceptance older than this (SD off for long) is replaced by the prior."
+    )
+    max_observation_age_s: float = Field(
+        180.0, gt=0, description="Observations whose newest sample is older than this are stale: hold."
+    )
+    draft_length: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="num_speculative_tokens used when SD is enabled (and assumed for the running config if the hook does not report it).",
+    )
+    adapt_draft_length: bool = Field(
+        False, description="When enabling SD, request the model's best draft length instead of draft_length."
+    )
+    draft_length_candidates: list[int] = Field(
+        default_factory=lambda: list(range(1, 17)), description="Draft lengths searched for the best one."
+    )
     default_prompt_tokens: float = Field(512.0, gt=0, description="Mean prompt length assumed until one is measured.")
     default_gen_tokens: float = Field(256.0, gt=0, description="Mean generated length assumed until one is measured.")
 
     # --- pricing the switch ------------------------------------------------------------------
-    price_switches: bool = Field(True, description="Weigh each switch's projected gain against its restart cost (otherwise thresholds only).")
-    restart_downtime_s: float = Field(90.0, gt=0, description="Assumed restart downtime until the hook reports measured ones.")
-    replicas: int = Field(1, ge=1, description="Replicas behind the router: 1 means a restart is an outage; N > 1 a capacity dip of one replica.")
-    gain_horizon_max_s: float = Field(14400.0, gt=0, description="A switch's gain is integrated until the projected load would undo it (by the trend), at least the dwell and at most this.")
-    switch_margin: float = Field(1.5, ge=1, description="Switch only when projected gain exceeds the switch cost times this.")
-    capacity_headroom: float = Field(0.9, gt=0, le=1, description="A state run above this fraction of its stability limit counts as overloaded when pricing (the model is a fluid one: real queues blow up before the limit).")
-    long_window_s: float = Field(900.0, gt=0, description="Long rate window used with the short one to project the load trend.")
-    trend_lookahead_s: float = Field(900.0, ge=0, description="How far ahead a rising load trend is projected when deciding (at least the dwell).")
+    price_switches: bool = Field(
+        True, description="Weigh each switch's projected gain against its restart cost (otherwise thresholds only)."
+    )
+    restart_downtime_s: float = Field(
+        90.0, gt=0, description="Assumed restart downtime until the hook reports measured ones."
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Replicas behind the router: 1 means a restart is an outage; N > 1 a capacity dip of one replica.",
+    )
+    gain_horizon_max_s: float = Field(
+        14400.0,
+        gt=0,
+        description="A switch's gain is integrated until the projected load would undo it (by the trend), at least the dwell and at most this.",
+    )
+    switch_margin: float = Field(
+        1.5, ge=1, description="Switch only when projected gain exceeds the switch cost times this."
+    )
+    capacity_headroom: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="A state run above this fraction of its stability limit counts as overloaded when pricing (the model is a fluid one: real queues blow up before the limit).",
+    )
+    long_window_s: float = Field(
+        900.0, gt=0, description="Long rate window used with the short one to project the load trend."
+    )
+    trend_lookahead_s: float = Field(
+        900.0, ge=0, description="How far ahead a rising load trend is projected when deciding (at least the dwell)."
+    )
 
     # --- observation sources -----------------------------------------------------------------
-    prometheus_url: str | None = Field(None, description="Prometheus base URL; when unset, vLLM's /metrics is scraped directly.")
-    prometheus_selector: str = Field("", description='Label matchers for this vLLM instance, e.g. model_name="llama",instance="10.0.0.5:8000".')
+    prometheus_url: str | None = Field(
+        None, description="Prometheus base URL; when unset, vLLM's /metrics is scraped directly."
+    )
+    prometheus_selector: str = Field(
+        "", description='Label matchers for this vLLM instance, e.g. model_name="llama",instance="10.0.0.5:8000".'
+    )
     prometheus_timeout_s: float = Field(5.0, gt=0, description="Timeout of one Prometheus query.")
     rate_window_s: float = Field(60.0, gt=0, description="Window of the arrival-rate estimate.")
     acceptance_window_s: float = Field(300.0, gt=0, description="Window of the rolling acceptance rate.")
-    queries: dict[str, str] = Field(default_factory=dict, description="PromQL overrides by name (arrival_rate, acceptance_rate, ...); see docs/daemon.md.")
-    vllm_metrics_url: str = Field("http://127.0.0.1:8000/metrics", description="vLLM /metrics, scraped directly when no Prometheus URL is set.")
-    vllm_model_name: str | None = Field(None, description="Only count series with this model_name label (direct scraping).")
+    queries: dict[str, str] = Field(
+        default_factory=dict,
+        description="PromQL overrides by name (arrival_rate, acceptance_rate, ...); see docs/daemon.md.",
+    )
+    vllm_metrics_url: str = Field(
+        "http://127.0.0.1:8000/metrics", description="vLLM /metrics, scraped directly when no Prometheus URL is set."
+    )
+    vllm_model_name: str | None = Field(
+        None, description="Only count series with this model_name label (direct scraping)."
+    )
 
     # --- admin hook --------------------------------------------------------------------------
-    hook_type: HookType = Field(HookType.LAUNCHER, description="How to switch SD: http, exec, launcher (sd-controller launch) or none (observe only).")
-    hook_url: str | None = Field("http://127.0.0.1:8091", description="http: the POST URL; launcher: the launcher's base URL.")
-    hook_status_url: str | None = Field(None, description="http: URL polled for the applied state (JSON with phase and applied.enabled).")
-    hook_token_env: str = Field("SD_CONTROLLER_HOOK_TOKEN", description="Name of the environment variable holding the bearer token.")
+    hook_type: HookType = Field(
+        HookType.LAUNCHER,
+        description="How to switch SD: http, exec, launcher (sd-controller launch) or none (observe only).",
+    )
+    hook_url: str | None = Field(
+        "http://127.0.0.1:8091", description="http: the POST URL; launcher: the launcher's base URL."
+    )
+    hook_status_url: str | None = Field(
+        None, description="http: URL polled for the applied state (JSON with phase and applied.enabled)."
+    )
+    hook_token_env: str = Field(
+        "SD_CONTROLLER_HOOK_TOKEN", description="Name of the environment variable holding the bearer token."
+    )
     hook_token_file: Path | None = Field(None, description="File holding the bearer token (wins over the env var).")
     hook_tls_verify: bool = Field(True, description="Verify TLS certificates of the hook URL.")
     hook_ca_bundle: Path | None = Field(None, description="CA bundle for the hook's TLS.")
     hook_timeout_s: float = Field(10.0, gt=0, description="Timeout of one hook HTTP call.")
     hook_retries: int = Field(3, ge=0, le=10, description="Retries on connection errors and 5xx.")
-    hook_exec_argv: list[str] = Field(default_factory=list, description='exec: the command as a JSON list, e.g. ["/usr/local/bin/toggle-sd"]; gets SD_ENABLED, SD_NUM_SPECULATIVE_TOKENS, SD_REASON.')
-    hook_exec_timeout_s: float = Field(900.0, gt=0, description="exec: kill the command after this many seconds (the change fails).")
+    hook_exec_argv: list[str] = Field(
+        default_factory=list,
+        description='exec: the command as a JSON list, e.g. ["/usr/local/bin/toggle-sd"]; gets SD_ENABLED, SD_NUM_SPECULATIVE_TOKENS, SD_REASON.',
+    )
+    hook_exec_timeout_s: float = Field(
+        900.0, gt=0, description="exec: kill the command after this many seconds (the change fails)."
+    )
 
     # --- operator controls, state, exporter, notifications -----------------------------------
-    override: OverrideMode = Field(OverrideMode.AUTO, description="auto: the controller decides; on/off: force SD through the hook (the pending lock still holds).")
-    override_file: Path | None = Field(None, description="File whose content (auto|on|off) overrides `override`; read every tick.")
-    state_file: Path = Field(Path("sd-controller-state.json"), description="Where the dwell clock, pending change and last acceptance survive restarts.")
-    calibration_file: str = Field("", description="Calibration JSON (sd-controller calibrate); 'example' for the shipped example (not for production).")
+    override: OverrideMode = Field(
+        OverrideMode.AUTO,
+        description="auto: the controller decides; on/off: force SD through the hook (the pending lock still holds).",
+    )
+    override_file: Path | None = Field(
+        None, description="File whose content (auto|on|off) overrides `override`; read every tick."
+    )
+    state_file: Path = Field(
+        Path("sd-controller-state.json"),
+        description="Where the dwell clock, pending change and last acceptance survive restarts.",
+    )
+    calibration_file: str = Field(
+        "",
+        description="Calibration JSON (sd-controller calibrate); 'example' for the shipped example (not for production).",
+    )
     max_num_seqs: int | None = Field(None, ge=1, description="Override the calibration's max_num_seqs.")
     exporter_host: str = Field("0.0.0.0", description="Address of the controller's /metrics and /healthz.")
-    exporter_port: int = Field(9464, ge=0, le=65535, description="Port of the controller's /metrics and /healthz (0 = pick one).")
-    webhook_url: str | None = Field(None, description="POSTed a JSON notice on acceptance-floor trips and failed changes.")
+    exporter_port: int = Field(
+        9464, ge=0, le=65535, description="Port of the controller's /metrics and /healthz (0 = pick one)."
+    )
+    webhook_url: str | None = Field(
+        None, description="POSTed a JSON notice on acceptance-floor trips and failed changes."
+    )
     log_format: str = Field("auto", description="auto (JSON lines unless on a TTY), json or console.")
     log_level: str = Field("info", description="debug, info, warning or error.")
 
@@ -209,7 +301,11 @@ def markdown_table() -> str:
         default = field.default_factory() if field.default_factory else field.default
         if isinstance(default, StrEnum):
             default = default.value
-        shown = "—" if default in (None, "") else f"`{json.dumps(default) if isinstance(default, list | dict) else default}`"
+        shown = (
+            "—"
+            if default in (None, "")
+            else f"`{json.dumps(default) if isinstance(default, list | dict) else default}`"
+        )
         rows.append(f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {shown} | {field.description} |")
     return "\n".join(rows)
 

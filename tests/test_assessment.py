@@ -17,7 +17,9 @@ T = 1_000_000.0
 
 
 def test_acceptance_measured_last_prior():
-    measured = estimate_acceptance(Observation(T, 1.0, acceptance_rate=0.6, mean_draft_tokens=4.0), ControllerState(), S, 4, T)
+    measured = estimate_acceptance(
+        Observation(T, 1.0, acceptance_rate=0.6, mean_draft_tokens=4.0), ControllerState(), S, 4, T
+    )
     assert measured.source is AcceptanceSource.MEASURED
     assert measured.alpha == pytest.approx(float(alpha_from_vllm_rate(0.6, 4)))
     state = ControllerState(last_acceptance_rate=0.5, last_alpha=0.7, last_acceptance_at=T - 100)
@@ -34,7 +36,9 @@ def test_ngram_short_drafts_use_the_mean_drafted():
 
 
 def test_positions_win_when_consistent_and_are_ignored_when_not():
-    consistent = Observation(T, 1.0, acceptance_rate=0.5, mean_draft_tokens=4.0, position_acceptance=(0.8, 0.6, 0.4, 0.2))
+    consistent = Observation(
+        T, 1.0, acceptance_rate=0.5, mean_draft_tokens=4.0, position_acceptance=(0.8, 0.6, 0.4, 0.2)
+    )
     assert estimate_acceptance(consistent, ControllerState(), S, 4, T).accepted_length == pytest.approx(3.0)
     broken = Observation(T, 1.0, acceptance_rate=0.5, mean_draft_tokens=4.0, position_acceptance=(0.0, 0.0, 0.0, 0.0))
     assert estimate_acceptance(broken, ControllerState(), S, 4, T).accepted_length is None
@@ -42,7 +46,9 @@ def test_positions_win_when_consistent_and_are_ignored_when_not():
 
 def test_assessment_matches_the_model_and_remembers_workload():
     obs = Observation(T, 4.0, acceptance_rate=0.6, mean_draft_tokens=4.0)  # no token means measured
-    state = ControllerState(applied_enabled=True, applied_draft_length=4, last_prompt_tokens=300.0, last_gen_tokens=120.0)
+    state = ControllerState(
+        applied_enabled=True, applied_draft_length=4, last_prompt_tokens=300.0, last_gen_tokens=120.0
+    )
     a = assess(MODEL, S, state, obs, True, 4, T)
     assert a.workload == Workload(300.0, 120.0)
     p = predict_point(MODEL, 4.0, a.acceptance.alpha, 4, Workload(300.0, 120.0))
@@ -91,14 +97,21 @@ def test_full_batch_with_a_queue_is_congested_whatever_the_fluid_model_says():
     on = ControllerState(applied_enabled=True, applied_draft_length=4)
     a = assess(MODEL, S, on, obs, True, 4, T)
     assert a.congested and a.decision_speedup == 0.0 and a.projected_gain_request_s == float("inf")
-    calm = assess(MODEL, S, on, Observation(T, 8.0, acceptance_rate=0.6, mean_draft_tokens=4.0, running=20.0, waiting=0.0), True, 4, T)
+    calm = assess(
+        MODEL,
+        S,
+        on,
+        Observation(T, 8.0, acceptance_rate=0.6, mean_draft_tokens=4.0, running=20.0, waiting=0.0),
+        True,
+        4,
+        T,
+    )
     assert not calm.congested and calm.decision_speedup > 1.2
 
 
 def test_drain_is_priced_at_the_full_batch_throughput():
-    from controller.model import stability_limits, throughput_at_batch
-
     from controller.acceptance import alpha_from_vllm_rate
+    from controller.model import stability_limits, throughput_at_batch
 
     alpha = float(alpha_from_vllm_rate(0.6, 4))
     w = Workload(512, 256)

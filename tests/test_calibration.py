@@ -115,7 +115,10 @@ def write(tmp_path: Path, text: str) -> Path:
         ("phase,batch_size,latency_s\ntarget,1,0.1\n", "missing column(s) tokens_per_seq, context_len, iteration"),
         (HEADER + "target,1,1,10,0,nan\n", "bench.csv:2: column latency_s: 'nan' is not a finite number"),
         (HEADER + "target,1,1,10,0,-0.5\n", "bench.csv:2: column latency_s: -0.5 is negative"),
-        (HEADER + "target,1,1,10,0,0.1\ntarget,two,1,10,1,0.1\n", "bench.csv:3: column batch_size: 'two' is not a number"),
+        (
+            HEADER + "target,1,1,10,0,0.1\ntarget,two,1,10,1,0.1\n",
+            "bench.csv:3: column batch_size: 'two' is not a number",
+        ),
         (HEADER + "decode,1,1,10,0,0.1\n", "bench.csv:2: column phase: unknown phase 'decode'"),
         (HEADER + "target,1.5,1,10,0,0.1\n", "bench.csv:2: column batch_size: '1.5' is not an integer"),
         (HEADER + "target,0,1,10,0,0.1\n", "bench.csv:2: column batch_size: 0 must be >= 1"),
@@ -161,7 +164,10 @@ def good_json() -> dict:
         (lambda d: d.update(schema_version=2), "schema_version 2 is not supported"),
         (lambda d: d.pop("schema_version"), "schema_version None is not supported"),
         (lambda d: d["phases"].pop("target"), "phases.target: Field required"),
-        (lambda d: d["phases"]["verify"].update(intercept_s=-1), "phases.verify.intercept_s: Input should be greater than or equal to 0"),
+        (
+            lambda d: d["phases"]["verify"].update(intercept_s=-1),
+            "phases.verify.intercept_s: Input should be greater than or equal to 0",
+        ),
         (lambda d: d["serving"].update(max_num_seqs=0), "serving.max_num_seqs"),
         (lambda d: d["phases"]["target"].update(slope_s_per_token="fast"), "phases.target.slope_s_per_token"),
         (lambda d: d.update(surprise=1), "surprise: Extra inputs are not permitted"),

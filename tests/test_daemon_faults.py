@@ -5,6 +5,7 @@ Counts the faults injected and the wrong toggles (a toggle not justified by the 
 inside the dwell): the latter must be zero.
 """
 
+import itertools
 import json
 import os
 import signal
@@ -12,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
@@ -94,8 +94,10 @@ def start_daemon(tmp_path, prom_url, launcher_url, port, **extra):
         "SD_CONTROLLER_LOG_FORMAT": "json",
         **extra,
     }
-    log = open(tmp_path / "daemon.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "run"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    log = open(tmp_path / "daemon.log", "w")  # noqa: SIM115 - the daemon writes it until it exits
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller.cli", "run"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -134,12 +136,15 @@ def test_daemon_survives_faults_and_never_toggles_wrongly(tmp_path, prometheus_s
                 assert launcher.requests == []
 
                 # Prometheus stopped mid-run, then restarted.
-                prom.stop(); faults += 1  # noqa: E702
+                prom.stop()
+                faults += 1
                 time.sleep(4)
-                prom.start(); prom.wait_for("vllm:num_requests_running", timeout_s=30)  # noqa: E702
+                prom.start()
+                prom.wait_for("vllm:num_requests_running", timeout_s=30)
                 # vLLM /metrics garbage, then HTTP 500, then hanging (Prometheus sees the target down).
                 for mode in ("garbage", "http500", "hang"):
-                    vllm.set_mode(mode); faults += 1  # noqa: E702
+                    vllm.set_mode(mode)
+                    faults += 1
                     time.sleep(4)
                     vllm.set_mode("ok")
                 time.sleep(3)
@@ -150,13 +155,15 @@ def test_daemon_survives_faults_and_never_toggles_wrongly(tmp_path, prometheus_s
                 assert value(mid, "sd_enabled") == 1.0
 
                 # Now real load past break-even, with the hook failing: 500s, then hanging.
-                launcher.set_mode("http500"); faults += 1  # noqa: E702
+                launcher.set_mode("http500")
+                faults += 1
                 traffic_high = Traffic(vllm, rate=30.0, max_s=90)
                 with traffic_high:
                     time.sleep(8)
                     hung = scrape(port)
                     assert value(hung, "sd_enabled") == 1.0  # hook refused: still on, held
-                    launcher.set_mode("hang"); faults += 1  # noqa: E702
+                    launcher.set_mode("hang")
+                    faults += 1
                     time.sleep(5)
                     launcher.set_mode("ok")
                     deadline = time.monotonic() + 40
@@ -181,8 +188,10 @@ def test_daemon_survives_faults_and_never_toggles_wrongly(tmp_path, prometheus_s
     acted = [d for d in decisions(tmp_path) if d.get("acted")]
     wrong = [d for d in acted if d["reason"] != "speedup_below_disable_threshold"]
     times = [d["time"] for d in acted]
-    within_dwell = [b for a, b in zip(times, times[1:], strict=False) if b - a < 8]
-    print(f"faults injected: {faults}; changes requested: {len(acted)}; wrong toggles: {len(wrong) + len(within_dwell)}")
+    within_dwell = [b for a, b in itertools.pairwise(times) if b - a < 8]
+    print(
+        f"faults injected: {faults}; changes requested: {len(acted)}; wrong toggles: {len(wrong) + len(within_dwell)}"
+    )
     assert wrong == [] and within_dwell == []
     assert len(launcher.requests) == 1
     log = (tmp_path / "daemon.log").read_text()
@@ -193,13 +202,24 @@ def test_once_and_config_errors(tmp_path):
     def run(*args, **env):
         e = {k: v for k, v in os.environ.items() if not k.startswith("SD_CONTROLLER_")}
         e.update(env)
-        return subprocess.run([sys.executable, "-m", "controller.cli", "run", *args], env=e, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "controller.cli", "run", *args], env=e, capture_output=True, text=True, timeout=60
+        )
 
     cases = [
-        ({"SD_CONTROLLER_ENABLE_THRESHOLD": "1.0", "SD_CONTROLLER_DISABLE_THRESHOLD": "1.1"}, "enable_threshold (1.0) must be greater than disable_threshold"),
-        ({"SD_CONTROLLER_DWELL_S": "-5"}, "setting dwell_s (SD_CONTROLLER_DWELL_S): Input should be greater than or equal to 0"),
+        (
+            {"SD_CONTROLLER_ENABLE_THRESHOLD": "1.0", "SD_CONTROLLER_DISABLE_THRESHOLD": "1.1"},
+            "enable_threshold (1.0) must be greater than disable_threshold",
+        ),
+        (
+            {"SD_CONTROLLER_DWELL_S": "-5"},
+            "setting dwell_s (SD_CONTROLLER_DWELL_S): Input should be greater than or equal to 0",
+        ),
         ({"SD_CONTROLLER_HOOK_TYPE": "telepathy"}, "setting hook_type (SD_CONTROLLER_HOOK_TYPE)"),
-        ({"SD_CONTROLLER_PROMETHEUS_URL": "prom:9090"}, "setting prometheus_url (SD_CONTROLLER_PROMETHEUS_URL): must be an http(s) URL"),
+        (
+            {"SD_CONTROLLER_PROMETHEUS_URL": "prom:9090"},
+            "setting prometheus_url (SD_CONTROLLER_PROMETHEUS_URL): must be an http(s) URL",
+        ),
         ({"SD_CONTROLLER_CALIBRATION_FILE": str(tmp_path / "nope.json")}, "setting calibration_file: "),
         ({"SD_CONTROLLER_HOOK_TOKEN_FILE": str(tmp_path / "no-token")}, "setting hook_token_file: cannot read"),
     ]

@@ -76,7 +76,9 @@ def admin():
     s.close()
 
 
-CHANGE = ChangeRequest(enabled=False, num_speculative_tokens=None, reason="speedup_below_disable_threshold", predicted_speedup=0.9)
+CHANGE = ChangeRequest(
+    enabled=False, num_speculative_tokens=None, reason="speedup_below_disable_threshold", predicted_speedup=0.9
+)
 
 
 def test_post_body_and_status(admin):
@@ -84,9 +86,19 @@ def test_post_body_and_status(admin):
     hook.request(CHANGE)
     auth, body = admin.received[0]
     assert auth == f"Bearer {TOKEN}"
-    assert body == {"enabled": False, "reason": CHANGE.reason, "predicted_speedup": 0.9, "requested_by": "sd-controller"}
+    assert body == {
+        "enabled": False,
+        "reason": CHANGE.reason,
+        "predicted_speedup": 0.9,
+        "requested_by": "sd-controller",
+    }
     st = hook.status()
-    assert (st.phase, st.applied_enabled, st.applied_draft_length, st.restart_durations_s) == (HookPhase.READY, True, 4, (61.5,))
+    assert (st.phase, st.applied_enabled, st.applied_draft_length, st.restart_durations_s) == (
+        HookPhase.READY,
+        True,
+        4,
+        (61.5,),
+    )
 
 
 def test_wrong_token_is_refused_and_never_echoed(admin):
@@ -140,8 +152,16 @@ def test_credentials_in_url_are_redacted():
 @pytest.mark.parametrize(
     ("body", "phase", "enabled"),
     [
-        ({"phase": "restarting", "applied": {"enabled": True, "num_speculative_tokens": 4}}, HookPhase.RESTARTING, True),
-        ({"phase": "failed", "applied": {"enabled": False, "num_speculative_tokens": None}, "last_error": "x"}, HookPhase.FAILED, False),
+        (
+            {"phase": "restarting", "applied": {"enabled": True, "num_speculative_tokens": 4}},
+            HookPhase.RESTARTING,
+            True,
+        ),
+        (
+            {"phase": "failed", "applied": {"enabled": False, "num_speculative_tokens": None}, "last_error": "x"},
+            HookPhase.FAILED,
+            False,
+        ),
         ({"enabled": False}, HookPhase.READY, False),
     ],
 )
@@ -183,11 +203,17 @@ def test_exec_hook_success_env_and_status(tmp_path):
     st = hook.status()
     assert (st.phase, st.applied_enabled, st.applied_draft_length) == (HookPhase.READY, True, 4)
     env = json.loads(out.read_text())
-    assert env == {"SD_ENABLED": "1", "SD_NUM_SPECULATIVE_TOKENS": "4", "SD_REASON": "speedup_above_enable_threshold; $(rm -rf /)"}
+    assert env == {
+        "SD_ENABLED": "1",
+        "SD_NUM_SPECULATIVE_TOKENS": "4",
+        "SD_REASON": "speedup_above_enable_threshold; $(rm -rf /)",
+    }
 
 
 def test_exec_hook_nonzero_exit_and_timeout():
-    hook = ExecHook([sys.executable, "-c", "import sys; print('no GPU', file=sys.stderr); sys.exit(3)"], initial_enabled=True)
+    hook = ExecHook(
+        [sys.executable, "-c", "import sys; print('no GPU', file=sys.stderr); sys.exit(3)"], initial_enabled=True
+    )
     hook.request(CHANGE)
     hook.wait(30)
     st = hook.status()

@@ -69,7 +69,9 @@ def drive(vllm, rate, seconds, acceptance=0.6, sd=True):
         drafts = n * 256 / (1 + 4 * acceptance)
         shape = [1.3, 1.1, 0.9, 0.7]  # per-position acceptance falls with position, sums to 4
         per_pos = [drafts * acceptance * s for s in shape]
-        kw.update(drafts=drafts, draft_tokens=4 * drafts, accepted_tokens=4 * drafts * acceptance, accepted_per_pos=per_pos)
+        kw.update(
+            drafts=drafts, draft_tokens=4 * drafts, accepted_tokens=4 * drafts * acceptance, accepted_per_pos=per_pos
+        )
     vllm.advance(**kw)
 
 
@@ -81,6 +83,7 @@ def make(tmp_path=None, store=None, **settings_kw):
     base.update(settings_kw)
     settings = Settings(**base)
     registry = CollectorRegistry()
+
     def fetch():  # the fake's fault modes, without HTTP
         return "<html>502</html>\n{{{" if vllm.mode == "garbage" else vllm.render()
 
@@ -161,7 +164,9 @@ def test_controller_restart_keeps_dwell_and_pending(tmp_path):
     saved = json.loads(path.read_text())
     assert saved["applied_enabled"] is False and saved["last_change_at"] is not None
     # A new controller process (same state file, same launcher): the dwell still holds.
-    ctl2 = Controller(ctl.settings, MODEL, VllmMetricsSource(fetch=vllm.render), hook, clock, state_store=FileStateStore(path))
+    ctl2 = Controller(
+        ctl.settings, MODEL, VllmMetricsSource(fetch=vllm.render), hook, clock, state_store=FileStateStore(path)
+    )
     assert ctl2.state.last_change_at == saved["last_change_at"]
     ctl2.tick()
     clock.t += 60
@@ -208,7 +213,11 @@ def test_override_file_read_every_tick(tmp_path):
     assert hook.requests == []
     f.write_text("off\n")
     r = run_ticks(ctl, clock, vllm, rate=1, n=1)[0]
-    assert (r.decision.action.value, r.decision.reason.value, r.decision.phase.value) == ("disable", "override", "override")
+    assert (r.decision.action.value, r.decision.reason.value, r.decision.phase.value) == (
+        "disable",
+        "override",
+        "override",
+    )
     f.write_text("sideways")
     with structlog.testing.capture_logs() as logs:
         assert ctl.override() is OverrideMode.AUTO
@@ -216,7 +225,7 @@ def test_override_file_read_every_tick(tmp_path):
 
 
 def test_decision_logged_once_with_reasons():
-    ctl, clock, vllm, hook, _ = make()
+    ctl, clock, vllm, _hook, _ = make()
     ctl.tick()
     with structlog.testing.capture_logs() as logs:
         run_ticks(ctl, clock, vllm, rate=16, n=1)

@@ -26,9 +26,7 @@ BIG = 10**7  # max_num_seqs large enough that the cap does not bind
 
 def simple(max_num_seqs=BIG, **kw):
     """Decode step 10 ms + 1 ms/token, verify 12 ms + 1 ms/token, free prefill and drafting."""
-    base = dict(
-        prefill=ZERO, target=StepCost(0.010, 0.001), verify=StepCost(0.012, 0.001), draft=ZERO
-    )
+    base = dict(prefill=ZERO, target=StepCost(0.010, 0.001), verify=StepCost(0.012, 0.001), draft=ZERO)
     base.update(kw)
     return LatencyModel(max_num_seqs=max_num_seqs, **base)
 
@@ -67,9 +65,7 @@ def test_break_even_by_hand():
 def test_prefill_interference_and_context_terms():
     # Prefill 50 ms + 1 ms/token, P = 100: own prefill 0.15 s, each other request's adds 0.1 s.
     # Context 1e-5 s per KV token, mean context P + G/2 = 150: adds G·1e-5·150 = 0.15 to c1.
-    m = simple(
-        prefill=StepCost(0.05, 0.001), target=StepCost(0.010, 0.001, context_s_per_token=1e-5)
-    )
+    m = simple(prefill=StepCost(0.05, 0.001), target=StepCost(0.010, 0.001, context_s_per_token=1e-5))
     w = Workload(100, 100)
     p = predict(m, 1.0, 0.5, 1, w)
     c0, c1 = 0.15 + 1.0, 0.1 + 0.1 + 0.15
@@ -265,9 +261,7 @@ def test_overload_reported_never_nan_and_paths_agree(model, workload, alpha, gam
     assert bool(vec.on.overloaded) == point.overloaded_on
     s_vec, s_pt = float(vec.speedup), point.speedup
     assert s_vec == s_pt or s_vec == pytest.approx(s_pt, rel=1e-9)
-    assert float(vec.off.stability_limit_rps) == pytest.approx(
-        point.stability_limit_off_rps, rel=1e-12
-    )
+    assert float(vec.off.stability_limit_rps) == pytest.approx(point.stability_limit_off_rps, rel=1e-12)
 
 
 @settings(max_examples=150, deadline=None)
@@ -293,7 +287,7 @@ def test_break_even_is_where_speedup_crosses(model, workload, alpha, gamma):
 @settings(max_examples=100, deadline=None)
 @given(models(), workloads, st.floats(0.0, 1.0), st.integers(1, 16))
 def test_stability_limit_is_the_boundary(model, workload, alpha, gamma):
-    lim_off, lim_on = stability_limits(model, alpha, gamma, workload)
+    _lim_off, lim_on = stability_limits(model, alpha, gamma, workload)
     assume(lim_on > 1e-9)
     below = predict_point(model, lim_on * (1 - 1e-6), alpha, gamma, workload)
     above = predict_point(model, lim_on * (1 + 1e-6), alpha, gamma, workload)

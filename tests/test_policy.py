@@ -92,7 +92,9 @@ def test_thresholds_are_configurable():
 # --- dwell ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("since", "action"), [(0, Action.NONE), (299.9, Action.NONE), (300.0, Action.DISABLE), (301, Action.DISABLE)])
+@pytest.mark.parametrize(
+    ("since", "action"), [(0, Action.NONE), (299.9, Action.NONE), (300.0, Action.DISABLE), (301, Action.DISABLE)]
+)
 def test_dwell(since, action):
     state = on_state(last_change_at=T0 - since)
     d, _ = decide(S, state, obs(), assessment(0.9), AUTO, T0)
@@ -116,7 +118,9 @@ def test_pending_lock_holds_and_confirmation_releases_it():
     d, state = decide(S, state, obs(), assessment(3.0), AUTO, T0 + 60)
     assert (d.action, d.reason, d.phase) == (Action.NONE, Reason.PENDING, ControllerPhase.PENDING)
     # Confirmed: applied flips, the dwell clock starts now.
-    state, ev = reconcile(state, HookStatus(HookPhase.READY, applied_enabled=False, restart_durations_s=(75.0,)), S, T0 + 120)
+    state, ev = reconcile(
+        state, HookStatus(HookPhase.READY, applied_enabled=False, restart_durations_s=(75.0,)), S, T0 + 120
+    )
     assert ev == ("change_confirmed:off",)
     assert state.applied_enabled is False and state.pending is None and state.last_change_at == T0 + 120
     assert state.restart_durations_s == (75.0,)
@@ -170,7 +174,9 @@ def test_external_change_is_adopted_and_starts_the_dwell():
 
 
 def test_first_start_learns_applied_state_without_dwell():
-    state, ev = reconcile(ControllerState(), HookStatus(HookPhase.READY, applied_enabled=True, applied_draft_length=4), S, T0)
+    state, ev = reconcile(
+        ControllerState(), HookStatus(HookPhase.READY, applied_enabled=True, applied_draft_length=4), S, T0
+    )
     assert ev == () and state.applied_enabled is True and state.last_change_at is None
     d, _ = decide(S, state, obs(), assessment(0.5), AUTO, T0)
     assert d.action is Action.DISABLE
@@ -240,7 +246,9 @@ def test_floor_ignores_last_or_prior_acceptance():
 
 
 def test_measured_acceptance_is_remembered_for_when_sd_is_off():
-    _, state = decide(S, on_state(), obs(mean_prompt_tokens=300.0, mean_gen_tokens=100.0), assessment(1.5, acc=0.66), AUTO, T0)
+    _, state = decide(
+        S, on_state(), obs(mean_prompt_tokens=300.0, mean_gen_tokens=100.0), assessment(1.5, acc=0.66), AUTO, T0
+    )
     assert (state.last_acceptance_rate, state.last_alpha, state.last_acceptance_at) == (0.66, 0.75, T0)
     assert (state.last_prompt_tokens, state.last_gen_tokens) == (300.0, 100.0)
 

@@ -25,7 +25,12 @@ class Traffic:
             n = self.per_tick
             kw = dict(requests=n, prompt_tokens=n * 400, gen_tokens=n * 100, e2e_latency_s=1.5)
             if self.fake.sd_enabled:
-                kw.update(drafts=n * 30, draft_tokens=n * 120, accepted_tokens=n * 72, accepted_per_pos=[n * 24, n * 21, n * 15, n * 12])
+                kw.update(
+                    drafts=n * 30,
+                    draft_tokens=n * 120,
+                    accepted_tokens=n * 72,
+                    accepted_per_pos=[n * 24, n * 21, n * 15, n * 12],
+                )
             self.fake.advance(**kw)
             self.stop.wait(self.tick_s)
 
@@ -39,13 +44,15 @@ class Traffic:
 
 
 def source(prom, **kw):
-    return PrometheusSource(prom.url, 'model_name="tiny"', rate_window_s=5, acceptance_window_s=10, long_window_s=20, **kw)
+    return PrometheusSource(
+        prom.url, 'model_name="tiny"', rate_window_s=5, acceptance_window_s=10, long_window_s=20, **kw
+    )
 
 
 def test_observes_rates_acceptance_and_reset(fake_vllm, prometheus_server):
     prom = prometheus_server({"vllm": [fake_vllm.target]})
     with Traffic(fake_vllm):
-        prom.wait_for('sum(rate(vllm:request_success_total[5s])) > 0', timeout_s=30)
+        prom.wait_for("sum(rate(vllm:request_success_total[5s])) > 0", timeout_s=30)
         time.sleep(11)  # fill the acceptance window
         o = source(prom).observe(time.time())
         assert isinstance(o, Observation), o

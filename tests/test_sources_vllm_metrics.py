@@ -1,6 +1,7 @@
 """Scraping vLLM's /metrics directly: rates across resets, acceptance, faults (real HTTP)."""
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,17 +21,17 @@ class Clock:
 
 
 def test_parses_real_capture():
-    snap = parse_snapshot(open(f"{FIXTURES}/metrics-sd-ngram-k4.txt").read(), 0.0)
+    snap = parse_snapshot(Path(f"{FIXTURES}/metrics-sd-ngram-k4.txt").read_text(), 0.0)
     assert snap.sd_present
     assert snap.counters["vllm:spec_decode_num_accepted_tokens"] == 216
     assert snap.counters["vllm:spec_decode_num_accepted_tokens_per_pos:0"] == 104
     assert snap.counters["vllm:request_success"] == 8  # summed over finished_reason
-    off = parse_snapshot(open(f"{FIXTURES}/metrics-sd-off.txt").read(), 0.0)
+    off = parse_snapshot(Path(f"{FIXTURES}/metrics-sd-off.txt").read_text(), 0.0)
     assert not off.sd_present and "vllm:spec_decode_num_drafts" not in off.counters
 
 
 def test_model_name_filter_and_garbage():
-    text = open(f"{FIXTURES}/metrics-sd-off.txt").read()
+    text = Path(f"{FIXTURES}/metrics-sd-off.txt").read_text()
     assert parse_snapshot(text, 0.0, model_name="other").counters == {}
     with pytest.raises(ValueError):
         parse_snapshot("hello world\n", 0.0)
@@ -107,7 +108,11 @@ def test_reset_detected_by_created_timestamp_even_if_counters_grew():
 
 @pytest.mark.parametrize(
     ("mode", "reason"),
-    [("garbage", FailureReason.PARSE_ERROR), ("http500", FailureReason.HTTP_ERROR), ("hang", FailureReason.UNREACHABLE)],
+    [
+        ("garbage", FailureReason.PARSE_ERROR),
+        ("http500", FailureReason.HTTP_ERROR),
+        ("hang", FailureReason.UNREACHABLE),
+    ],
 )
 def test_faults_are_named(mode, reason):
     with FakeVllmServer() as fake:
@@ -125,8 +130,13 @@ def test_unreachable_and_nan():
         url = fake.metrics_url
     o = VllmMetricsSource(url=url, timeout_s=0.5).observe(time.time())
     assert o.reason is FailureReason.UNREACHABLE
-    nan_text = open(f"{FIXTURES}/metrics-sd-off.txt").read().replace(
-        'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0', 'vllm:num_requests_running{engine="0",model_name="tiny"} NaN'
+    nan_text = (
+        Path(f"{FIXTURES}/metrics-sd-off.txt")
+        .read_text()
+        .replace(
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0',
+            'vllm:num_requests_running{engine="0",model_name="tiny"} NaN',
+        )
     )
     src = VllmMetricsSource(fetch=lambda: nan_text)
     assert src.observe(1.0).reason is FailureReason.NAN

@@ -16,10 +16,16 @@ from controller.errors import InputError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bench_csv", type=Path, help="micro-benchmark CSV: " + ",".join(cal_mod.BENCH_COLUMNS))
     p.add_argument("--load-test", type=Path, help="load-test CSV: " + ",".join(cal_mod.LOAD_COLUMNS))
-    p.add_argument("--correct-with-load-test", action="store_true", help="scale each mode's step costs to fit the load test")
+    p.add_argument(
+        "--correct-with-load-test", action="store_true", help="scale each mode's step costs to fit the load test"
+    )
     p.add_argument("-o", "--output", type=Path, required=True, help="calibration JSON to write")
-    p.add_argument("--warmup", type=int, default=cal_mod.DEFAULT_WARMUP, help="iterations dropped per group (default %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="vLLM --max-num-seqs of the server (default %(default)s)")
+    p.add_argument(
+        "--warmup", type=int, default=cal_mod.DEFAULT_WARMUP, help="iterations dropped per group (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, help="vLLM --max-num-seqs of the server (default %(default)s)"
+    )
     p.add_argument("--moe-experts", type=int, help="MoE target: number of experts E")
     p.add_argument("--moe-top-k", type=int, help="MoE target: experts per token k")
     for name in ("gpu", "target-model", "draft-model", "vllm-version", "notes"):
@@ -68,7 +74,17 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 def print_report(cal: cal_mod.CalibrationFile, console: Console) -> None:
     """Fit quality per phase and segment, then the load-test check if there was one."""
     table = Table(title="fit quality per phase (after warm-up)")
-    for col in ("phase", "segment (tokens/step)", "n", "R²", "RMSE ms", "intercept ms", "µs/token", "ns/KV token", "notes"):
+    for col in (
+        "phase",
+        "segment (tokens/step)",
+        "n",
+        "R²",
+        "RMSE ms",
+        "intercept ms",
+        "µs/token",
+        "ns/KV token",
+        "notes",
+    ):
         table.add_column(col)
     for name in ("prefill", "target", "draft", "verify"):
         spec = getattr(cal.phases, name)
@@ -98,5 +114,9 @@ def print_report(cal: cal_mod.CalibrationFile, console: Console) -> None:
         console.print(
             f"load test: {lc.n} rows, R² {_fmt(lc.r2, '.3f')} (off {_fmt(lc.r2_off, '.3f')}, on {_fmt(lc.r2_on, '.3f')}),"
             f" mean abs error {lc.mean_abs_pct_error:.1f}%; paper's C1/(1 − rate·C2) per curve: R² {_fmt(lc.paper_fit_r2, '.3f')}"
-            + (f"; corrected: scale_off {cal.load_correction.scale_off:.3f}, scale_on {cal.load_correction.scale_on:.3f}" if lc.corrected else "")
+            + (
+                f"; corrected: scale_off {cal.load_correction.scale_off:.3f}, scale_on {cal.load_correction.scale_on:.3f}"
+                if lc.corrected
+                else ""
+            )
         )

@@ -28,16 +28,43 @@ from controller.model import (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--calibration", default="example", help="calibration JSON, or 'example' for the shipped example (default)")
+    p.add_argument(
+        "--calibration", default="example", help="calibration JSON, or 'example' for the shipped example (default)"
+    )
     acc = p.add_mutually_exclusive_group()
-    acc.add_argument("--acceptance-rate", type=float, default=0.6, help="vLLM's acceptance rate (accepted/drafted tokens), default %(default)s")
+    acc.add_argument(
+        "--acceptance-rate",
+        type=float,
+        default=0.6,
+        help="vLLM's acceptance rate (accepted/drafted tokens), default %(default)s",
+    )
     acc.add_argument("--alpha", type=float, help="per-token acceptance α instead of vLLM's rate")
-    p.add_argument("--measured-draft-length", type=int, default=4, help="draft length the acceptance rate was measured at (default %(default)s)")
+    p.add_argument(
+        "--measured-draft-length",
+        type=int,
+        default=4,
+        help="draft length the acceptance rate was measured at (default %(default)s)",
+    )
     p.add_argument("--prompt-tokens", type=float, default=512, help="mean prompt tokens (default %(default)s)")
     p.add_argument("--gen-tokens", type=float, default=256, help="mean generated tokens (default %(default)s)")
-    p.add_argument("--rates", type=float_list("--rates"), default=[1, 2, 4, 8, 16], help="arrival rates, req/s (default 1,2,4,8,16)")
-    p.add_argument("--draft-lengths", type=int_list("--draft-lengths"), default=[2, 4, 8, 16], help="draft lengths to tabulate (default 2,4,8,16)")
-    p.add_argument("--candidates", type=int_list("--candidates"), default=list(DEFAULT_DRAFT_LENGTHS), help="draft lengths searched for the best (default 1..16)")
+    p.add_argument(
+        "--rates",
+        type=float_list("--rates"),
+        default=[1, 2, 4, 8, 16],
+        help="arrival rates, req/s (default 1,2,4,8,16)",
+    )
+    p.add_argument(
+        "--draft-lengths",
+        type=int_list("--draft-lengths"),
+        default=[2, 4, 8, 16],
+        help="draft lengths to tabulate (default 2,4,8,16)",
+    )
+    p.add_argument(
+        "--candidates",
+        type=int_list("--candidates"),
+        default=list(DEFAULT_DRAFT_LENGTHS),
+        help="draft lengths searched for the best (default 1..16)",
+    )
     p.add_argument("--max-num-seqs", type=int, help="override the calibration's max_num_seqs")
     p.add_argument("--plot", type=Path, help="write speedup-vs-rate curves (PNG)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of tables")
@@ -120,7 +147,9 @@ def build_report(
     limit_off = None
     for g in draft_lengths:
         for th, be in break_even_rates(model, alpha, g, workload, DEFAULT_THRESHOLDS).items():
-            breaks.append({"draft_length": g, "threshold": th, "rate_rps": be.rate_rps, "always_above": be.always_above})
+            breaks.append(
+                {"draft_length": g, "threshold": th, "rate_rps": be.rate_rps, "always_above": be.always_above}
+            )
         p0 = predict_point(model, 0.0, alpha, g, workload)
         limits_on[str(g)] = p0.stability_limit_on_rps
         limit_off = p0.stability_limit_off_rps
@@ -139,7 +168,9 @@ def _cell(x: float | None, spec: str) -> str:
 def print_tables(report: dict[str, Any], console: Console) -> None:
     inp = report["inputs"]
     if report["calibration"]["example"]:
-        console.print("[bold yellow]EXAMPLE calibration (not measured): calibrate on your own GPU for real decisions[/]")
+        console.print(
+            "[bold yellow]EXAMPLE calibration (not measured): calibrate on your own GPU for real decisions[/]"
+        )
     console.print(
         f"acceptance rate {inp['acceptance_rate']:.3f} at γ={inp['measured_draft_length']} → per-token α {inp['alpha']:.3f};"
         f" prompt {inp['prompt_tokens']:g} / generated {inp['gen_tokens']:g} tokens; max_num_seqs {inp['max_num_seqs']}"
@@ -159,7 +190,9 @@ def print_tables(report: dict[str, Any], console: Console) -> None:
     for col in ("rate req/s", "best γ", "speedup"):
         b.add_column(col, justify="right")
     for row in report["best_draft_length"]:
-        b.add_row(f"{row['rate_rps']:g}", str(row["draft_length"]), "∞" if row["speedup"] is None else f"{row['speedup']:.3f}")
+        b.add_row(
+            f"{row['rate_rps']:g}", str(row["draft_length"]), "∞" if row["speedup"] is None else f"{row['speedup']:.3f}"
+        )
     console.print(b)
     e = Table(title="break-even rates (req/s) and stability limits")
     for col in ("γ", "S = 1", "S = 1.05 (disable)", "S = 1.2 (enable)", "limit with SD", "limit without SD"):

@@ -35,7 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="decide and export, never call the hook")
     p.add_argument("--once", action="store_true", help="run one tick, print the decision with its reasons, exit")
     p.add_argument(
-        "--set", action="append", default=[], metavar="NAME=VALUE", help="override one setting (repeatable; JSON values allowed)"
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one setting (repeatable; JSON values allowed)",
     )
 
 
@@ -125,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
         result = controller.tick()
         d, a = result.decision, result.assessment
         print(f"decision: {d.action.value} ({d.reason.value}) — {d.detail}")
-        print(f"state: {d.phase.value}; applied SD: {result.state.applied_enabled}; events: {', '.join(result.events) or '-'}")
+        print(
+            f"state: {d.phase.value}; applied SD: {result.state.applied_enabled}; events: {', '.join(result.events) or '-'}"
+        )
         if a is not None:
             print(
                 f"rate {a.arrival_rate_rps:.3f} req/s (projected {a.projected_rate_rps:.3f}); acceptance {a.acceptance.rate:.3f}"
@@ -141,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
             controller.registry, settings.exporter_host, settings.exporter_port, controller.healthy
         ).start()
     except OSError as exc:
-        print(f"sd-controller run: error: setting exporter_port: cannot listen on {settings.exporter_host}:{settings.exporter_port}: {exc.strerror}", file=sys.stderr)
+        print(
+            f"sd-controller run: error: setting exporter_port: cannot listen on {settings.exporter_host}:{settings.exporter_port}: {exc.strerror}",
+            file=sys.stderr,
+        )
         return 2
     stop = threading.Event()
 

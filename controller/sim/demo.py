@@ -28,9 +28,7 @@ WINDOW_S = 600.0  # latency plot resolution
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="demo-day", help="built-in scenario name or YAML file (default demo-day)")
-    parser.add_argument(
-        "--calibration", default=EXAMPLE_CALIBRATION, help="calibration JSON, or 'example' (default)"
-    )
+    parser.add_argument("--calibration", default=EXAMPLE_CALIBRATION, help="calibration JSON, or 'example' (default)")
     parser.add_argument(
         "--out", default="sd-demo-out", help="directory for the plot and numbers (default ./sd-demo-out)"
     )

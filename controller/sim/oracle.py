@@ -36,9 +36,7 @@ def interval_costs(result: RunResult, interval_s: float) -> np.ndarray:
     return np.bincount(idx, weights=lat, minlength=n)
 
 
-def best_schedule(
-    cost_off: np.ndarray, cost_on: np.ndarray, switch_into: np.ndarray, start_on: bool
-) -> list[bool]:
+def best_schedule(cost_off: np.ndarray, cost_on: np.ndarray, switch_into: np.ndarray, start_on: bool) -> list[bool]:
     """argmin over schedules of Σ cost[state_k] + switch costs (``switch_into[k, s]``)."""
     n = len(cost_off)
     costs = np.stack([cost_off, cost_on], axis=1)
@@ -79,9 +77,7 @@ def run_oracle(
     # the highest rate it overlaps, or a switch just before a spike looks cheap.
     span = math.ceil(2 * outage / interval_s) + 1
     peak = np.array([rates[k : k + span].max() for k in range(n)])
-    switch_into = np.array(
-        [[backlog_cost(r, outage, mu_off), backlog_cost(r, outage, mu_on)] for r in peak]
-    )
+    switch_into = np.array([[backlog_cost(r, outage, mu_off), backlog_cost(r, outage, mu_on)] for r in peak])
     switch_into = np.where(np.isinf(switch_into), 1e12, switch_into)
     schedule = best_schedule(c_off, c_on, switch_into, scenario.engine.initial_sd)
     replay = run_schedule(scenario, model, schedule, interval_s, name="oracle")

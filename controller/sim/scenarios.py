@@ -108,7 +108,6 @@ def load(name_or_path: str) -> Scenario:
     builtin = builtin_dir() / f"{name_or_path}.yaml"
     if not builtin.exists():
         raise InputError(
-            f"--scenario {name_or_path}: no such file or built-in scenario "
-            f"(built-ins: {', '.join(builtin_names())})"
+            f"--scenario {name_or_path}: no such file or built-in scenario (built-ins: {', '.join(builtin_names())})"
         )
     return parse(builtin.read_text(encoding="utf-8"), builtin.name)

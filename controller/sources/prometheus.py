@@ -60,7 +60,7 @@ DEFAULT_QUERIES: dict[str, str] = {
 
 
 def _duration(seconds: float) -> str:
-    return f"{int(round(seconds))}s"
+    return f"{round(seconds)}s"
 
 
 def render_queries(

@@ -8,6 +8,7 @@ negative or a huge jump.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -135,7 +136,7 @@ def increase(history: list[Snapshot], key: str) -> float | None:
     if key not in history[-1].counters:
         return None
     total = 0.0
-    for prev, cur in zip(history, history[1:], strict=False):
+    for prev, cur in itertools.pairwise(history):
         if key not in cur.counters:
             continue
         total += cur.counters[key] if _restarted(prev, cur, key) else cur.counters[key] - prev.counters[key]
@@ -191,7 +192,9 @@ class VllmMetricsSource:
         try:
             snap = parse_snapshot(text, now, self.model_name)
         except Exception as exc:  # the parser raises several types on garbage
-            return ObservationFailure(FailureReason.PARSE_ERROR, f"{self.url or 'metrics'}: {type(exc).__name__}: {exc}"[:200])
+            return ObservationFailure(
+                FailureReason.PARSE_ERROR, f"{self.url or 'metrics'}: {type(exc).__name__}: {exc}"[:200]
+            )
         values = [*snap.counters.values(), *snap.gauges.values()]
         if not all(math.isfinite(v) for v in values):
             # Keep NaN out of the history, or it would poison every window it is in.

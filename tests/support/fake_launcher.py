@@ -117,13 +117,13 @@ def _handler(srv: FakeLauncherServer) -> type[BaseHTTPRequestHandler]:
                 return False
             return True
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             if self.path == "/healthz":
                 return self._reply(200, {"ok": True})
             if self._gate():
                 self._reply(200, srv.status())
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", 0))
             raw = self.rfile.read(length)
             if not self._gate():
