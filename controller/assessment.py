@@ -190,6 +190,16 @@ def assess(
         lat_cur = math.inf
     if eval_rate > settings.capacity_headroom * cap_new:
         lat_new = math.inf
+    # What the model cannot know, experience does: SD seen congested at some rate is treated as
+    # overloaded above a margin of it for a while (a model that overrates SD at a full batch
+    # would otherwise re-enable it into the same collapse).
+    if sd_congestion_remembered(state, settings, now) and eval_rate >= settings.congestion_margin * (
+        state.sd_congested_rate_rps or 0.0
+    ):
+        if currently_on:
+            lat_cur = math.inf
+        else:
+            lat_new = math.inf
     horizon = gain_horizon(
         eval_rate,
         slope,
@@ -220,6 +230,14 @@ def assess(
         projected_gain_request_s=gain,
         gain_horizon_s=horizon,
         congested=congested,
+    )
+
+
+def sd_congestion_remembered(state: ControllerState, settings: Settings, now: float) -> bool:
+    return (
+        state.sd_congested_rate_rps is not None
+        and state.sd_congested_at is not None
+        and now - state.sd_congested_at <= settings.congestion_memory_s
     )
 
 

@@ -169,6 +169,12 @@ def _remember(state: ControllerState, obs: Observation, a: Assessment, now: floa
         changes.update(last_acceptance_rate=a.acceptance.rate, last_alpha=a.acceptance.alpha, last_acceptance_at=now)
     if obs.mean_prompt_tokens is not None and obs.mean_gen_tokens is not None and obs.mean_gen_tokens > 0:
         changes.update(last_prompt_tokens=obs.mean_prompt_tokens, last_gen_tokens=obs.mean_gen_tokens)
+    if a.congested and state.applied_enabled:
+        seen = state.sd_congested_rate_rps
+        changes.update(
+            sd_congested_rate_rps=a.arrival_rate_rps if seen is None else min(seen, a.arrival_rate_rps),
+            sd_congested_at=now,
+        )
     return dataclasses.replace(state, **changes) if changes else state
 
 

@@ -118,6 +118,13 @@ class Settings(BaseSettings):
     long_window_s: float = Field(
         900.0, gt=0, description="Long rate window used with the short one to project the load trend."
     )
+    congestion_margin: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="After SD was seen congested (full batch and a queue) at some rate, it is treated as overloaded above this fraction of that rate, for congestion_memory_s.",
+    )
+    congestion_memory_s: float = Field(21600.0, gt=0, description="How long a seen SD congestion is remembered.")
     trend_lookahead_s: float = Field(
         900.0, ge=0, description="How far ahead a rising load trend is projected when deciding (at least the dwell)."
     )

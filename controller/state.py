@@ -41,6 +41,8 @@ class ControllerState:
     last_prompt_tokens: float | None = None
     last_gen_tokens: float | None = None
     restart_durations_s: tuple[float, ...] = field(default_factory=tuple)
+    sd_congested_rate_rps: float | None = None  # lowest rate at which SD was seen congested
+    sd_congested_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

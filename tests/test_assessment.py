@@ -124,3 +124,21 @@ def test_drain_is_priced_at_the_full_batch_throughput():
     obs = Observation(T, 14.0, acceptance_rate=None, mean_prompt_tokens=512, mean_gen_tokens=256)
     a = assess(MODEL, S, off, obs, False, None, T)
     assert a.switch_cost_request_s == float("inf")
+
+
+def test_remembered_congestion_keeps_sd_off_until_the_load_is_well_below():
+    off = ControllerState(applied_enabled=False, sd_congested_rate_rps=10.0, sd_congested_at=T - 60)
+    near = assess(MODEL, S, off, Observation(T, 8.5, mean_prompt_tokens=512, mean_gen_tokens=256), False, None, T)
+    assert near.projected_gain_request_s == float("-inf")  # 8.5 >= 0.8 × 10: SD counts as overloaded
+    low = assess(MODEL, S, off, Observation(T, 7.0, mean_prompt_tokens=512, mean_gen_tokens=256), False, None, T)
+    assert low.projected_gain_request_s > 0
+    forgotten = assess(
+        MODEL,
+        S,
+        off,
+        Observation(T + S.congestion_memory_s + 120, 8.5, mean_prompt_tokens=512, mean_gen_tokens=256),
+        False,
+        None,
+        T + S.congestion_memory_s + 120,
+    )
+    assert forgotten.projected_gain_request_s > 0

@@ -308,3 +308,12 @@ def test_uncertain_request_keeps_the_lock():
     state = begin_request(state, d, T0)
     state, ev = record_request(state, S, False, T0, uncertain=True)
     assert ev == ("change_uncertain",) and state.pending is not None and state.consecutive_failures == 0
+
+
+def test_seen_congestion_is_remembered():
+    a = dataclasses.replace(assessment(0.0), congested=True, arrival_rate_rps=9.0)
+    _, state = decide(S, on_state(), obs(), a, AUTO, T0)
+    assert (state.sd_congested_rate_rps, state.sd_congested_at) == (9.0, T0)
+    a2 = dataclasses.replace(assessment(0.0), congested=True, arrival_rate_rps=11.0)
+    _, state = decide(S, state, obs(), a2, AUTO, T0 + 60)
+    assert state.sd_congested_rate_rps == 9.0  # the lowest rate seen
