@@ -107,6 +107,9 @@ class Phases(_Strict):
 
 class Serving(_Strict):
     max_num_seqs: int = Field(default=256, ge=1, le=65536, description="vLLM --max-num-seqs")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=16, le=1_048_576, description="vLLM --max-num-batched-tokens (chunked-prefill budget per step)"
+    )
 
 
 class MoeSpec(_Strict):
@@ -168,6 +171,7 @@ class CalibrationFile(_Strict):
             verify=self.phases.verify.step_cost(),
             draft=self.phases.draft.step_cost(),
             max_num_seqs=max_num_seqs or self.serving.max_num_seqs,
+            max_num_batched_tokens=self.serving.max_num_batched_tokens,
             moe=Moe(self.moe.num_experts, self.moe.top_k) if self.moe else None,
             scale_off=self.load_correction.scale_off,
             scale_on=self.load_correction.scale_on,
@@ -646,6 +650,7 @@ def calibrate(
     *,
     warmup: int = DEFAULT_WARMUP,
     max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
     moe: MoeSpec | None = None,
     load_rows: Sequence[LoadRow] | None = None,
     correct: bool = False,
@@ -661,7 +666,7 @@ def calibrate(
     cal = CalibrationFile(
         schema_version=SCHEMA_VERSION,
         metadata=meta,
-        serving=Serving(max_num_seqs=max_num_seqs),
+        serving=Serving(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         moe=moe,
         phases=phases,
     )

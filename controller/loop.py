@@ -188,7 +188,8 @@ class Controller:
         self.state = state
         self.store.save(state)
         self.last_tick_at = now
-        fail_reason = failure.reason if failure is not None else None
+        # While a restart is pending, missing metrics are expected, not a fault worth counting.
+        fail_reason = failure.reason if failure is not None and decision.reason is policy.Reason.OBSERVATION else None
         observed = obs.mean_e2e_latency_s if isinstance(obs, Observation) else None
         self.exporter.record(now, state, decision, assessment, fail_reason, observed, events)
         self._log(now, decision, assessment, failure, override, events, acted)

@@ -110,6 +110,10 @@ class LatencyModel:
     verify: StepCost
     draft: StepCost = ZERO_COST
     max_num_seqs: int = 256
+    # vLLM's per-step token budget (max_num_batched_tokens): decode/verify tokens of the batch
+    # plus chunked-prefill tokens. Verify steps take γ+1 of it per sequence, leaving less for
+    # admitting new prompts. None: no budget (prefill never starves).
+    max_num_batched_tokens: int | None = None
     moe: Moe | None = None
     # Load-test correction: multiplies every step cost of that mode (1.0 = micro-benchmark as is).
     scale_off: float = 1.0
@@ -145,6 +149,11 @@ class _Mode:
     # MoE weight-traffic terms: coef·effective_tokens(B·tokens_per_seq)
     moe_coef: list[np.ndarray] = field(default_factory=list)
     moe_tps: list[np.ndarray] = field(default_factory=list)
+    # For the token budget: T(B) = pre_c0 + pre_c1·B + steps·step(B), step tokens per sequence.
+    pre_c0: np.ndarray | float = 0.0
+    pre_c1: np.ndarray | float = 0.0
+    steps: np.ndarray | float = 1.0
+    step_tokens: np.ndarray | float = 1.0
 
     def shape(self) -> tuple[int, ...]:
         parts = [self.c0, self.c1, *self.hinge_at, *self.hinge_w, *self.moe_coef, *self.moe_tps]
@@ -198,10 +207,12 @@ def _linearize(model: LatencyModel, workload: Workload, sd: bool, accepted_lengt
     prefill = model.prefill.scaled(scale) if scale != 1.0 else model.prefill
     own_prefill = _step(prefill, prefill_tokens(p, moe) if moe else p, p)
     # Another request's prefill stalls every running sequence by its marginal (load) cost.
-    mode = _Mode(c0=own_prefill, c1=own_prefill - prefill.intercept_s)
+    interference = own_prefill - prefill.intercept_s
+    mode = _Mode(c0=own_prefill, c1=interference, pre_c0=own_prefill, pre_c1=interference)
     if not sd:
         target = model.target.scaled(scale) if scale != 1.0 else model.target
         _add_phase(mode, target, g, 1.0, ctx, moe)
+        mode.steps, mode.step_tokens = g, 1.0
         return mode
     steps = g / accepted_length
     draft, verify = model.draft, model.verify
@@ -209,7 +220,39 @@ def _linearize(model: LatencyModel, workload: Workload, sd: bool, accepted_lengt
         draft, verify = draft.scaled(scale), verify.scaled(scale)
     _add_phase(mode, draft, steps * draft_length, 1.0, ctx, None)
     _add_phase(mode, verify, steps, draft_length + 1.0, ctx, moe)
+    mode.steps, mode.step_tokens = steps, draft_length + 1.0
     return mode
+
+
+def _budget_root(mode: _Mode, c0, c1, budget: float, prompt_tokens):
+    """Rate at which the token budget binds on a segment T = c0 + c1·B (inf: never there).
+
+    Admitting λ prompts of P tokens per second needs λ·P·t_step(B) prefill tokens per step
+    interval, and only N_b − k·B of each step's budget is left once the batch's k tokens per
+    sequence are in. With B = λ·c0/(1 − λ·c1) this is a quadratic in λ:
+    A·λ² + Bq·λ − N_b = 0, A = (P/steps)(a1·c0 − a0·c1), Bq = (P/steps)·a0 + k·c0 + N_b·c1,
+    where t_step = (a0 + a1·B)/steps strips the prefill terms from T.
+    """
+    a0 = c0 - mode.pre_c0
+    a1 = c1 - mode.pre_c1
+    p_over = prompt_tokens / mode.steps
+    qa = p_over * (a1 * c0 - a0 * c1)
+    qb = p_over * a0 + mode.step_tokens * c0 + budget * c1
+    disc = qb * qb + 4.0 * qa * budget
+    if isinstance(qa, np.ndarray) or isinstance(qb, np.ndarray):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            root = np.where(
+                np.abs(qa) < 1e-300,
+                budget / np.where(qb > 0, qb, np.nan),
+                (-qb + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * np.where(qa == 0, 1.0, qa)),
+            )
+        return np.where((disc >= 0) & np.isfinite(root) & (root > 0), root, np.inf)
+    if abs(qa) < 1e-300:
+        return budget / qb if qb > 0 else math.inf
+    if disc < 0:
+        return math.inf
+    root = (-qb + math.sqrt(disc)) / (2.0 * qa)
+    return root if root > 0 else math.inf
 
 
 def prefill_tokens(prompt_tokens: ArrayLike, moe: Moe | None) -> np.ndarray:
@@ -283,18 +326,51 @@ def _latency_expanded(mode: _Mode, batch: np.ndarray, moe: Moe | None) -> np.nda
     return expanded.latency(batch, moe)
 
 
-def _solve(mode: _Mode, rate: np.ndarray, cap: float, moe: Moe | None) -> ModePrediction:
+def _solve(
+    mode: _Mode, rate: np.ndarray, cap: float, moe: Moe | None, budget: float | None = None, prompt_tokens=0.0
+) -> ModePrediction:
     limit = _stability_limit(mode, cap, moe)
     rate, limit = np.broadcast_arrays(rate, limit)
-    if moe is not None and mode.moe_coef:
-        batch = _solve_numeric(mode, rate, cap, moe)
-    else:
-        batch = _solve_closed_form(mode, rate)
+
+    def batch_at(r: np.ndarray) -> np.ndarray:
+        if moe is not None and mode.moe_coef:
+            return _solve_numeric(mode, r, cap, moe)
+        return _solve_closed_form(mode, r)
+
+    batch = batch_at(rate)
+    if budget is not None and np.any(np.asarray(prompt_tokens) > 0):
+        limit = np.minimum(limit, _budget_limit(mode, limit, batch_at, float(budget), prompt_tokens, moe))
     # At the limit the queue is null-recurrent: call it overloaded, like ρ = 1 in queueing.
     overloaded = (rate >= limit * (1.0 - 1e-12)) | ~np.isfinite(batch) | (batch > cap)
     safe_batch = np.where(overloaded, cap, batch)
     latency = np.where(overloaded, np.inf, mode.latency(safe_batch, moe))
     return ModePrediction(latency, safe_batch, overloaded, limit)
+
+
+def _budget_limit(
+    mode: _Mode, limit: np.ndarray, batch_at, budget: float, prompt_tokens, moe: Moe | None
+) -> np.ndarray:
+    """Rate where prefill starves under the token budget, by bisection below the stability limit.
+
+    The excess λ·P·t_step(B(λ)) + k·B(λ) − N_b rises with λ (B and the step time both grow),
+    so it crosses zero at most once. (The scalar path solves the same point in closed form.)
+    """
+
+    def excess(r: np.ndarray) -> np.ndarray:
+        b = batch_at(r)
+        b = np.where(np.isfinite(b), b, 0.0)
+        t_step = (mode.latency(b, moe) - mode.pre_c0 - mode.pre_c1 * b) / mode.steps
+        return r * prompt_tokens * t_step + mode.step_tokens * b - budget
+
+    hi = np.asarray(limit, dtype=float) * (1.0 - 1e-12)
+    binds = excess(hi) > 0
+    lo = np.zeros_like(hi)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        over = excess(mid) > 0
+        lo = np.where(over, lo, mid)
+        hi = np.where(over, mid, hi)
+    return np.where(binds, 0.5 * (lo + hi), np.inf)
 
 
 def _solve_closed_form(mode: _Mode, rate: np.ndarray) -> np.ndarray:
@@ -372,8 +448,9 @@ def predict(
     en = np.clip(en, 1.0, gamma + 1.0)
     rate, gamma, en = np.broadcast_arrays(rate, gamma, en)
     cap = float(model.max_num_seqs)
-    off = _solve(_linearize(model, workload, False, en, gamma), rate, cap, model.moe)
-    on_sd = _solve(_linearize(model, workload, True, en, np.maximum(gamma, 1.0)), rate, cap, model.moe)
+    nb, p = model.max_num_batched_tokens, workload.prompt_tokens
+    off = _solve(_linearize(model, workload, False, en, gamma), rate, cap, model.moe, nb, p)
+    on_sd = _solve(_linearize(model, workload, True, en, np.maximum(gamma, 1.0)), rate, cap, model.moe, nb, p)
     no_draft = gamma <= 0
     on = ModePrediction(*(np.where(no_draft, a, b) for a, b in zip(_fields(off), _fields(on_sd), strict=True)))
     return Prediction(off, on, _speedup(off, on), en)
@@ -429,8 +506,27 @@ class RateCurve:
         return cap if math.isinf(t) else rate_rps * t
 
 
-def rate_curve(mode: _Mode, cap: float) -> RateCurve:
-    """Build the exact T(λ) of a scalar (float) linearized mode without MoE terms."""
+def rate_curve(mode: _Mode, cap: float, budget: float | None = None, prompt_tokens: float = 0.0) -> RateCurve:
+    """Build the exact T(λ) of a scalar (float) linearized mode without MoE terms.
+
+    With a token ``budget`` the curve ends where prefill starves (see :func:`_budget_root`).
+    """
+    curve = _rate_curve(mode, cap)
+    if budget is None or prompt_tokens <= 0:
+        return curve
+    kept: list[tuple[float, float, float]] = []
+    lo = 0.0
+    for end, c0, c1 in curve.segments:
+        root = _budget_root(mode, c0, c1, float(budget), prompt_tokens)
+        if lo <= root < end:
+            kept.append((root, c0, c1))
+            break
+        kept.append((end, c0, c1))
+        lo = end
+    return RateCurve(tuple(kept))
+
+
+def _rate_curve(mode: _Mode, cap: float) -> RateCurve:
     c0, c1 = float(mode.c0), float(mode.c1)
     if not mode.hinge_at:  # one line: the limit is the throughput at the cap
         return RateCurve(((cap / (c0 + c1 * cap), c0, c1),))
@@ -503,10 +599,11 @@ def curves(
     cap = float(model.max_num_seqs)
     en = _accepted_length(alpha, draft_length) if accepted_length is None else accepted_length
     en = min(max(en, 1.0), draft_length + 1.0)
-    off = rate_curve(_linearize(model, workload, False, en, draft_length), cap)
+    nb, p = model.max_num_batched_tokens, float(workload.prompt_tokens)
+    off = rate_curve(_linearize(model, workload, False, en, draft_length), cap, nb, p)
     if draft_length <= 0:
         return off, off
-    return off, rate_curve(_linearize(model, workload, True, en, float(draft_length)), cap)
+    return off, rate_curve(_linearize(model, workload, True, en, float(draft_length)), cap, nb, p)
 
 
 def _speedup_from(t_off: float, t_on: float, mu_off: float, mu_on: float) -> float:
@@ -616,7 +713,7 @@ def break_even_rates(
 def _first_crossing(
     off: RateCurve, on: RateCurve, edges: list[float], s: float, mu_off: float, mu_on: float
 ) -> BreakEven:
-    if off.latency_s(0.0) / on.latency_s(0.0) < s:
+    if _speedup_from(off.latency_s(0.0), on.latency_s(0.0), mu_off, mu_on) < s:
         return BreakEven(s, 0.0, False)
     lo = 0.0
     for hi in edges:
@@ -703,8 +800,10 @@ def throughput_at_batch(
 ) -> float:
     """Requests per second a mode completes with ``batch`` requests running: B / T(B).
 
-    Past a compute knee this *falls* with the batch, so a server pushed to a full batch (the
-    backlog after a restart) can drain slower than its stability limit suggests, or not at all.
+    Past a compute knee this *falls* with the batch, and with a token budget the batch's own
+    decode/verify tokens leave less room to admit prompts (γ+1 per sequence with SD), so a
+    server pushed to a full batch (the backlog after a restart) can drain slower than its
+    stability limit suggests, or not at all.
     """
     if batch <= 0:
         return 0.0
@@ -712,7 +811,14 @@ def throughput_at_batch(
     en = min(max(en, 1.0), draft_length + 1.0)
     mode = _linearize(model, workload, sd and draft_length > 0, en, float(max(draft_length, 1)))
     t = float(np.asarray(mode.latency(float(batch), model.moe)))
-    return batch / t if t > 0 else math.inf
+    completed = batch / t if t > 0 else math.inf
+    if model.max_num_batched_tokens is None or workload.prompt_tokens <= 0:
+        return completed
+    # New prompts only get what the batch's own tokens leave of each step's budget.
+    t_step = (t - float(mode.pre_c0) - float(mode.pre_c1) * batch) / float(mode.steps)
+    left = model.max_num_batched_tokens - float(mode.step_tokens) * batch
+    admitted = max(left, 0.0) / (workload.prompt_tokens * t_step) if t_step > 0 else math.inf
+    return min(completed, admitted)
 
 
 def stability_limits(model: LatencyModel, alpha: float, draft_length: int, workload: Workload) -> tuple[float, float]:

@@ -233,12 +233,7 @@ def decide(
         action = Action.ENABLE if want else Action.DISABLE
         return out(action, Reason.OVERRIDE, f"operator override {override.value}", want, state)
 
-    # 2. Never act on missing, NaN, empty or stale data: hold.
-    if failure is not None or assessment is None:
-        why = failure.reason.value if failure else "no assessment"
-        return out(Action.NONE, Reason.OBSERVATION, why, state.applied_enabled, state)
-    if state.applied_enabled is None:
-        return out(Action.NONE, Reason.APPLIED_UNKNOWN, "hook and metrics do not say whether SD is on", None, state)
+    # 2. A change in flight: hold (vLLM is restarting, so its metrics are expected to be gone).
     if state.pending is not None:
         return out(
             Action.NONE,
@@ -247,6 +242,12 @@ def decide(
             state.pending.enabled,
             state,
         )
+    # 3. Never act on missing, NaN, empty or stale data: hold.
+    if failure is not None or assessment is None:
+        why = failure.reason.value if failure else "no assessment"
+        return out(Action.NONE, Reason.OBSERVATION, why, state.applied_enabled, state)
+    if state.applied_enabled is None:
+        return out(Action.NONE, Reason.APPLIED_UNKNOWN, "hook and metrics do not say whether SD is on", None, state)
 
     state, floor_hit, floor_events = _floor(state, assessment, settings, now)
     events.extend(floor_events)
@@ -270,7 +271,7 @@ def decide(
     else:
         reason, detail = Reason.SPEEDUP_HIGH, f"speedup {s:.3f} > {settings.enable_threshold}"
 
-    # 3. Necessary conditions on top of the thresholds: dwell, backoff, and the price of the switch.
+    # 4. Necessary conditions on top of the thresholds: dwell, backoff, and the price of the switch.
     if state.last_change_at is not None and now - state.last_change_at < settings.dwell_s:
         left = settings.dwell_s - (now - state.last_change_at)
         return out(Action.NONE, Reason.DWELL, f"{detail}; dwell holds {left:.0f}s more", on, state)

@@ -278,21 +278,22 @@ class StatusRecorder:
     def latest(self) -> dict | None:
         return self.samples[-1][1] if self.samples else None
 
-    def windows(self) -> list[tuple[float, float]]:
-        """[last poll seeing ready, first poll seeing ready again] for every restart; an open
-        window (still restarting) ends now."""
+    def windows(self) -> list[tuple[float, float, float]]:
+        """(last poll seeing ready, first poll seeing it not ready, first poll seeing ready
+        again) for every restart; a window still open ends now. The restart began between the
+        first two: a request in flight then is one sent before the second, done after the first."""
         out, last_ready, start = [], None, None
         for t, s in self.samples:
             ready = bool(s) and s["phase"] == "ready"
             if ready:
                 if start is not None:
-                    out.append((start, t))
+                    out.append((*start, t))
                     start = None
                 last_ready = t
             elif last_ready is not None and start is None:
-                start = last_ready
+                start = (last_ready, t)
         if start is not None:
-            out.append((start, time.time()))
+            out.append((*start, time.time()))
         return out
 
     def start(self) -> StatusRecorder:
@@ -559,12 +560,12 @@ def test_controller_switches_sd_on_real_vllm_end_to_end(tmp_path, prometheus_ser
         slack = 1.0
 
         def in_window(o: Outcome) -> bool:
-            return any(o.sent <= w1 + slack and o.done >= w0 - slack for w0, w1 in windows)
+            return any(o.sent <= w1 + slack and o.done >= w0 - slack for w0, _, w1 in windows)
 
         assert len(load.outcomes) == load.sent, f"{load.sent - len(load.outcomes)} requests never finished"
         failed = [o for o in load.outcomes if not o.ok]
         lost = [o for o in failed if not in_window(o)]
-        in_flight = [o for o in load.outcomes for w0, _ in windows if o.sent < w0 <= o.done]
+        in_flight = [o for o in load.outcomes for w0, began, _ in windows if o.sent < began and o.done > w0]
         by_phase: dict[str, dict] = {}
         for o in load.outcomes:
             p = by_phase.setdefault(o.phase, {"sent": 0, "ok": 0, "failed": 0, "latencies": []})
@@ -576,13 +577,14 @@ def test_controller_switches_sd_on_real_vllm_end_to_end(tmp_path, prometheus_ser
             lat = p.pop("latencies")
             p["client_mean_latency_s"] = round(statistics.mean(lat), 3) if lat else None
         numbers.update(
-            restart_windows_s=[round(w1 - w0, 1) for w0, w1 in windows],
+            restart_windows_s=[round(w1 - w0, 1) for w0, _, w1 in windows],
             requests_sent=load.sent,
             requests_ok=sum(o.ok for o in load.outcomes),
             requests_failed_in_restart_window=len(failed) - len(lost),
             requests_lost_outside_windows=len(lost),
             requests_in_flight_at_restart=len(in_flight),
             in_flight_drained_ok=sum(o.ok for o in in_flight),
+            in_flight_failed=sum(not o.ok for o in in_flight),
             by_phase=by_phase,
             errors=sorted({o.error for o in failed}),
             test_runtime_s=round(time.monotonic() - t_test, 1),

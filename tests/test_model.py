@@ -272,16 +272,18 @@ def test_break_even_is_where_speedup_crosses(model, workload, alpha, gamma):
             lim_off, _ = stability_limits(model, alpha, gamma, workload)
             rates = np.linspace(0, lim_off * 0.999, 50)
             assert np.all(predict(model, rates, alpha, gamma, workload).speedup >= th - 1e-9)
-        elif be.rate_rps > 0:
-            eps = 1e-6 * max(be.rate_rps, 1e-6)
+        elif be.rate_rps > 1e-9:
+            eps = 1e-6 * be.rate_rps
             below = speedup_point(model, be.rate_rps - eps, alpha, gamma, workload)
             above = speedup_point(model, be.rate_rps + eps, alpha, gamma, workload)
             assert below >= th - 1e-6 and above <= th + 1e-6
             # and no earlier crossing on a fine grid
             grid = np.linspace(0, be.rate_rps - eps, 60)
             assert np.all(predict(model, grid, alpha, gamma, workload).speedup >= th - 1e-6)
-        else:
-            assert speedup_point(model, 0.0, alpha, gamma, workload) < th
+        else:  # below the threshold from (just above) zero load
+            assert speedup_point(model, 0.0, alpha, gamma, workload) <= th + 1e-9
+            lim_off, lim_on = stability_limits(model, alpha, gamma, workload)
+            assert speedup_point(model, 1e-6 * min(lim_off, lim_on), alpha, gamma, workload) <= th + 1e-6
 
 
 @settings(max_examples=100, deadline=None)
@@ -293,3 +295,29 @@ def test_stability_limit_is_the_boundary(model, workload, alpha, gamma):
     above = predict_point(model, lim_on * (1 + 1e-6), alpha, gamma, workload)
     assert not below.overloaded_on
     assert above.overloaded_on
+
+
+def test_token_budget_starves_prefill_by_hand():
+    # One line, no SD: T = 1 + 0.1·B (G = 100 steps of 10 ms + 1 ms/token); P = 50 prompt tokens.
+    # t_step = T/100. Budget 100 tokens per step: λ·50·(1 + 0.1B)/100 + B = 100 with B = λ/(1 − 0.1λ).
+    m = simple(max_num_batched_tokens=100)
+    w = Workload(prompt_tokens=50, gen_tokens=100)
+    lim_off, _ = stability_limits(m, 0.5, 1, w)
+    b = lim_off / (1 - 0.1 * lim_off)
+    assert lim_off * 50 * (1 + 0.1 * b) / 100 + b == pytest.approx(100, rel=1e-9)
+    assert lim_off < 10  # tighter than the 1/c1 = 10 req/s the line alone allows
+    vec = predict(m, [lim_off * 0.999, lim_off * 1.001], 0.5, 1, w)
+    assert list(vec.off.overloaded) == [False, True]
+    assert float(vec.off.stability_limit_rps[0]) == pytest.approx(lim_off, rel=1e-9)
+
+
+def test_full_batch_admission_is_limited_by_the_budget():
+    from controller.model import throughput_at_batch
+
+    m = simple(max_num_batched_tokens=250, max_num_seqs=1000)
+    w = Workload(prompt_tokens=50, gen_tokens=100)
+    # SD γ=1 at B=100: verify takes 200 of the 250 tokens; 50 left per step for prompts, i.e.
+    # one 50-token prompt per 0.212 s step (4.7/s), below the 100/T(100) = 7.1/s it completes.
+    t_step = 0.012 + 0.001 * 200  # verify step at 200 tokens
+    assert throughput_at_batch(m, 100, True, 0.5, 1, w) == pytest.approx(50 / (50 * t_step))
+    assert throughput_at_batch(simple(), 100, True, 0.5, 1, w) > throughput_at_batch(m, 100, True, 0.5, 1, w)

@@ -317,3 +317,10 @@ def test_seen_congestion_is_remembered():
     a2 = dataclasses.replace(assessment(0.0), congested=True, arrival_rate_rps=11.0)
     _, state = decide(S, state, obs(), a2, AUTO, T0 + 60)
     assert state.sd_congested_rate_rps == 9.0  # the lowest rate seen
+
+
+def test_pending_wins_over_a_missing_observation():
+    # During the restart vLLM's metrics are gone: that is the pending change, not a fault.
+    state = on_state(pending=PendingChange(False, None, T0, "x"))
+    d, _ = decide(S, state, ObservationFailure(FailureReason.UNREACHABLE), None, AUTO, T0 + 30)
+    assert (d.reason, d.phase) == (Reason.PENDING, ControllerPhase.PENDING)

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-seqs", type=int, default=256, help="vLLM --max-num-seqs of the server (default %(default)s)"
     )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, help="vLLM --max-num-batched-tokens (the per-step token budget), if set"
+    )
     p.add_argument("--moe-experts", type=int, help="MoE target: number of experts E")
     p.add_argument("--moe-top-k", type=int, help="MoE target: experts per token k")
     for name in ("gpu", "target-model", "draft-model", "vllm-version", "notes"):
@@ -38,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--warmup: {args.warmup} must be >= 0")
     if args.max_num_seqs < 1:
         raise InputError(f"--max-num-seqs: {args.max_num_seqs} must be >= 1")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 16:
+        raise InputError(f"--max-num-batched-tokens: {args.max_num_batched_tokens} must be >= 16")
     if (args.moe_experts is None) != (args.moe_top_k is None):
         raise InputError("--moe-experts and --moe-top-k go together")
     if args.correct_with_load_test and not args.load_test:
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         load_test_file=args.load_test.name if args.load_test else "", load_test_sha256=load_digest,
     )  # fmt: skip
     cal = cal_mod.calibrate(
-        rows, warmup=args.warmup, max_num_seqs=args.max_num_seqs, moe=moe, load_rows=load_rows,
+        rows, warmup=args.warmup, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, moe=moe, load_rows=load_rows,
         correct=args.correct_with_load_test, metadata=meta, where=str(args.bench_csv),
     )  # fmt: skip
     cal_mod.save(cal, args.output)
