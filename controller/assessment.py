@@ -132,8 +132,9 @@ def assess(
             rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s, lookahead
         )
         # Conservative toward the catastrophic side: SD at a load beyond its limit. A rising
-        # trend is believed; a falling one is not (the load may come back before the dwell ends).
-        eval_rate = max(rate, ahead)
+        # trend is believed; a falling one is not (the load may come back before the dwell ends),
+        # and an oscillating load is judged by its recent peak, not by the trough it is in.
+        eval_rate = max(rate, ahead, obs.arrival_rate_peak_rps or 0.0)
     else:
         eval_rate = rate
     best = best_draft_length(model, eval_rate, acc.alpha, workload, settings.draft_length_candidates)

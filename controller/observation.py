@@ -43,6 +43,7 @@ class Observation:
     time_s: float
     arrival_rate_rps: float | None
     arrival_rate_long_rps: float | None = None  # long window, for the trend
+    arrival_rate_peak_rps: float | None = None  # highest short-window rate within the long window
     acceptance_rate: float | None = None
     position_acceptance: tuple[float, ...] | None = None  # P(position k accepted) per draft
     mean_draft_tokens: float | None = None  # draft tokens per draft (≤ γ; n-gram may propose fewer)
@@ -58,6 +59,7 @@ class Observation:
         for name in (
             "arrival_rate_rps",
             "arrival_rate_long_rps",
+            "arrival_rate_peak_rps",
             "acceptance_rate",
             "mean_draft_tokens",
             "mean_prompt_tokens",

@@ -142,3 +142,14 @@ def test_remembered_congestion_keeps_sd_off_until_the_load_is_well_below():
         T + S.congestion_memory_s + 120,
     )
     assert forgotten.projected_gain_request_s > 0
+
+
+def test_oscillating_load_is_judged_by_its_recent_peak():
+    off = ControllerState(applied_enabled=False)
+    trough = Observation(
+        T, 10.0, arrival_rate_long_rps=10.0, arrival_rate_peak_rps=15.0, mean_prompt_tokens=512, mean_gen_tokens=256
+    )
+    a = assess(MODEL, S, off, trough, False, None, T)
+    assert a.projected_rate_rps == 15.0 and a.decision_speedup < S.disable_threshold
+    plain = assess(MODEL, Settings(calibration_file="example", price_switches=False), off, trough, False, None, T)
+    assert plain.projected_rate_rps == 10.0  # without pricing: the thresholds on the current rate only

@@ -140,3 +140,16 @@ def test_unreachable_and_nan():
     )
     src = VllmMetricsSource(fetch=lambda: nan_text)
     assert src.observe(1.0).reason is FailureReason.NAN
+
+
+def test_peak_rate_within_the_long_window():
+    clock = Clock()
+    with FakeVllmServer(clock=clock) as fake:
+        src = VllmMetricsSource(url=fake.metrics_url, rate_window_s=60, long_window_s=300)
+        src.observe(clock())
+        for n in (60, 600, 120, 60):  # one busy minute among quiet ones
+            clock.t += 60
+            fake.advance(requests=n, prompt_tokens=n * 10, gen_tokens=n * 10)
+            o = src.observe(clock())
+        assert o.arrival_rate_rps == pytest.approx(1.0)
+        assert o.arrival_rate_peak_rps == pytest.approx(10.0)

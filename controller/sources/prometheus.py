@@ -29,6 +29,8 @@ DEFAULT_QUERIES: dict[str, str] = {
         " + sum(deriv(vllm:num_requests_running{$SEL}[$LW]))"
         " + sum(deriv(vllm:num_requests_waiting{$SEL}[$LW]))"
     ),
+    # The busiest short window of the last long one: an oscillating load is judged by its peaks.
+    "arrival_rate_peak": "max_over_time(sum(rate(vllm:request_success_total{$SEL}[$W]))[$LW:$W])",
     "acceptance_rate": (
         "sum(rate(vllm:spec_decode_num_accepted_tokens_total{$SEL}[$AW]))"
         " / sum(rate(vllm:spec_decode_num_draft_tokens_total{$SEL}[$AW]))"
@@ -185,6 +187,7 @@ class PrometheusSource:
                 time_s=now,
                 arrival_rate_rps=max(arrival, 0.0) if arrival is not None else None,
                 arrival_rate_long_rps=_nonneg(self._scalar("arrival_rate_long", now, required=False)),
+                arrival_rate_peak_rps=_nonneg(self._scalar("arrival_rate_peak", now, required=False)),
                 acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
                 position_acceptance=positions,
                 mean_draft_tokens=mean_draft,

@@ -243,6 +243,17 @@ class VllmMetricsSource:
         queued = sum(last.gauges.get(g, 0.0) - first.gauges.get(g, 0.0) for g in (RUNNING, WAITING))
         return max(done + queued / (last.time_s - first.time_s), 0.0)
 
+    def _peak_completion_rate(self, now: float) -> float | None:
+        """Highest completion rate between consecutive scrapes within the long window."""
+        win = self._window(now, self.long_window_s)
+        rates = []
+        for prev, cur in itertools.pairwise(win):
+            inc = increase([prev, cur], SUCCESS)
+            dt = cur.time_s - prev.time_s
+            if inc is not None and dt > 0:
+                rates.append(inc / dt)
+        return max(rates) if rates else None
+
     def _observation(self, now: float) -> ObserveResult:
         if len(self._history) < 2:
             return ObservationFailure(FailureReason.WARMING_UP, "need two scrapes for a rate")
@@ -252,6 +263,7 @@ class VllmMetricsSource:
         arrival = self._arrival(now, self.rate_window_s)
         long_span = now - self._history[0].time_s
         arrival_long = self._arrival(now, self.long_window_s) if long_span >= 2 * self.rate_window_s else None
+        arrival_peak = self._peak_completion_rate(now)
         aw = self.acceptance_window_s
         acceptance = positions = mean_draft = None
         if cur.sd_present:
@@ -269,6 +281,7 @@ class VllmMetricsSource:
                 time_s=now,
                 arrival_rate_rps=arrival,
                 arrival_rate_long_rps=arrival_long,
+                arrival_rate_peak_rps=arrival_peak,
                 acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
                 position_acceptance=positions,
                 mean_draft_tokens=mean_draft,
