@@ -339,7 +339,11 @@ def _solve(
 
     batch = batch_at(rate)
     if budget is not None and np.any(np.asarray(prompt_tokens) > 0):
-        limit = np.minimum(limit, _budget_limit(mode, limit, batch_at, float(budget), prompt_tokens, moe))
+        if moe is not None and mode.moe_coef:
+            b_limit = _budget_limit(mode, limit, batch_at, float(budget), prompt_tokens, moe)
+        else:
+            b_limit = _budget_limit_closed_form(mode, float(budget), prompt_tokens)
+        limit = np.minimum(limit, b_limit)
     # At the limit the queue is null-recurrent: call it overloaded, like ρ = 1 in queueing.
     overloaded = (rate >= limit * (1.0 - 1e-12)) | ~np.isfinite(batch) | (batch > cap)
     safe_batch = np.where(overloaded, cap, batch)
@@ -371,6 +375,28 @@ def _budget_limit(
         lo = np.where(over, lo, mid)
         hi = np.where(over, mid, hi)
     return np.where(binds, 0.5 * (lo + hi), np.inf)
+
+
+def _budget_limit_closed_form(mode: _Mode, budget: float, prompt_tokens) -> np.ndarray:
+    """:func:`_budget_root` on every segment at once; the lowest root whose batch lies on its
+    own segment is where prefill starves."""
+    starts, ends, intercepts, slopes = _segments(mode)
+    ex = _Mode(
+        c0=intercepts,
+        c1=slopes,
+        pre_c0=np.asarray(mode.pre_c0)[..., None],
+        pre_c1=np.asarray(mode.pre_c1)[..., None],
+        steps=np.asarray(mode.steps)[..., None],
+        step_tokens=np.asarray(mode.step_tokens)[..., None],
+    )
+    root = _budget_root(ex, intercepts, slopes, budget, np.asarray(prompt_tokens, dtype=float)[..., None])
+    root = np.asarray(root) * np.ones_like(intercepts)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        denom = 1.0 - root * slopes
+        b = np.where(denom > 0, root * intercepts / np.where(denom > 0, denom, 1.0), np.inf)
+    tol = 1e-9 * np.maximum(1.0, np.abs(b))
+    valid = np.isfinite(root) & (denom > 0) & (b >= starts - tol) & (b <= ends + tol)
+    return np.where(valid, root, np.inf).min(axis=-1)
 
 
 def _solve_closed_form(mode: _Mode, rate: np.ndarray) -> np.ndarray:

@@ -190,6 +190,7 @@ def models(draw, knees=True):
         verify=cost(),
         draft=cost(),
         max_num_seqs=draw(st.integers(1, 1024)),
+        max_num_batched_tokens=draw(st.one_of(st.none(), st.integers(64, 16384))),
     )
 
 
