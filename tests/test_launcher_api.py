@@ -22,6 +22,7 @@ from controller.launcher.profile import SdConfig, parse_profile, vllm_url
 from controller.launcher.state import load_state
 from controller.launcher.supervisor import Supervisor, SupervisorOptions, backoff_s
 from tests.support import fake_vllm_child
+from tests.support.waiting import pid_alive, wait_until
 
 TOKEN = "t0ken-that-must-not-leak-4242"
 STATUS_KEYS = {
@@ -35,25 +36,6 @@ STATUS_KEYS = {
     "last_error",
     "vllm_url",
 }
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(poll_s)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class Launcher:

@@ -9,35 +9,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
 from tests.support import fake_vllm_child
+from tests.support.waiting import pid_alive, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "process-t0ken-never-logged-9876"
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(poll_s)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def base_env(**extra: str) -> dict[str, str]:

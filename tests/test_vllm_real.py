@@ -20,19 +20,17 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.support.vllm_env import MODEL, NGRAM, VLLM_PYTHON
+from tests.support.waiting import wait_until as _wait_until
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
+    return _wait_until(predicate, timeout_s, what, poll_s)
+
+
 REPO = Path(__file__).resolve().parents[1]
-CACHE = Path.home() / ".cache" / "sd-controller"
-VENV = Path(os.environ.get("SD_VLLM_VENV", CACHE / "vllm-venv"))
-MODEL = Path(os.environ.get("SD_TINY_MODEL_DIR", CACHE / "tiny-llama"))
-VLLM_PYTHON = VENV / "bin" / "python"
 TOKEN = "real-vllm-test-token"
 START_TIMEOUT_S = 420
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 4,
-    "prompt_lookup_max": 3,
-    "prompt_lookup_min": 1,
-}
 SD_SERIES = "vllm:spec_decode_num_drafts_total"
 
 pytestmark = [
@@ -49,17 +47,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(poll_s)
 
 
 def test_launcher_toggles_sd_on_real_vllm(tmp_path):
