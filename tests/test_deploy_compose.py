@@ -15,7 +15,16 @@ SERVICES = COMPOSE["services"]
 
 def test_services() -> None:
     assert set(SERVICES) == {"simulator", "controller", "prometheus", "grafana"}
-    assert SERVICES["simulator"]["command"] == ["simulate", "--port", "8000"]
+    # The simulator's own argument parser accepts the compose command, and it listens beyond loopback.
+    import argparse
+
+    from controller.sim import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(SERVICES["simulator"]["command"][1:])
+    assert SERVICES["simulator"]["command"][0] == "simulate"
+    assert (args.host, args.port, args.admin_port) == ("0.0.0.0", 8000, 8091)
     assert SERVICES["controller"]["command"] == ["run"]
     assert SERVICES["simulator"]["image"] == SERVICES["controller"]["image"]
 
@@ -23,7 +32,7 @@ def test_services() -> None:
 def test_controller_points_at_the_simulator() -> None:
     env = SERVICES["controller"]["environment"]
     assert env["SD_CONTROLLER_VLLM_METRICS_URL"] == "http://simulator:8000/metrics"
-    assert env["SD_CONTROLLER_HOOK_URL"].startswith("http://simulator:8000")
+    assert env["SD_CONTROLLER_HOOK_URL"] == "http://simulator:8091"  # the simulator's --admin-port
     assert all(k.startswith("SD_CONTROLLER_") for k in env)
     # The token the controller reads is the one the simulator's admin API expects.
     secret_file = COMPOSE_DIR / COMPOSE["secrets"]["sd_admin_token"]["file"]

@@ -22,6 +22,7 @@ from controller.launcher.cli import TOKEN_ENV, _read_token
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="demo-day", help="built-in scenario name or YAML file (default demo-day)")
     parser.add_argument("--calibration", default=EXAMPLE_CALIBRATION, help="calibration JSON, or 'example' (default)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port of /metrics and /health (default 8000)")
     parser.add_argument("--admin-port", type=int, default=8091, help="port of the admin API (default 8091)")
     parser.add_argument("--speed", type=float, default=60.0, help="scenario seconds per wall second (default 60)")
@@ -61,9 +62,11 @@ def build(args: argparse.Namespace):
     token = _read_token(args)
     engine = Engine(scenario, model, epoch_s=_time.time(), model_name=args.model_name, trace_speed=args.speed)
     try:
-        return SimulatedServer(engine, port=args.port, admin_port=args.admin_port, token=token)
+        return SimulatedServer(engine, port=args.port, admin_port=args.admin_port, token=token, host=args.host)
     except OSError as exc:
-        raise ConfigError(f"cannot listen on 127.0.0.1:{args.port}/{args.admin_port}: {exc.strerror or exc}") from None
+        raise ConfigError(
+            f"cannot listen on {args.host}:{args.port}/{args.admin_port}: {exc.strerror or exc}"
+        ) from None
 
 
 @exits_on_input_error
