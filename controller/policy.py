@@ -256,7 +256,12 @@ def decide(
     want_off = on and (floor_hit or s < settings.disable_threshold)
     want_on = (not on) and s > settings.enable_threshold
     if not (want_off or want_on):
-        return out(Action.NONE, Reason.STEADY, f"speedup {s:.3f} within hysteresis", on, state)
+        detail = (
+            f"SD on, speedup {s:.3f} >= disable threshold {settings.disable_threshold}"
+            if on
+            else f"SD off, speedup {s:.3f} <= enable threshold {settings.enable_threshold}"
+        )
+        return out(Action.NONE, Reason.STEADY, detail, on, state)
 
     if floor_hit:
         reason, detail = (
