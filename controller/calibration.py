@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.atomic import write_json_atomic
-from controller.errors import InputError
+from controller.errors import InputError, validation_error_line
 from controller.model import PHASES, LatencyModel, Moe, StepCost
 
 SCHEMA_VERSION = 1
@@ -203,10 +203,7 @@ def parse(text: str, where: str = "calibration") -> CalibrationFile:
     try:
         return CalibrationFile.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise InputError(f"{where}: {loc}: {err['msg']}{more}") from exc
+        raise InputError(validation_error_line(where, exc)) from exc
 
 
 def save(cal: CalibrationFile, path: str | Path) -> None:

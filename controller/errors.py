@@ -15,3 +15,12 @@ class InputError(ValueError):
 
 class ConfigError(InputError):
     """An invalid setting; the message names the setting."""
+
+
+def validation_error_line(where: str, exc: Exception) -> str:
+    """One line for a pydantic ValidationError: where, the first field's path, what is wrong."""
+    errors = exc.errors()  # type: ignore[attr-defined]
+    err = errors[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {loc}: {err['msg']}{more}"

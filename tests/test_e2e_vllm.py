@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,14 +37,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import requests
 
 from controller.acceptance import alpha_from_vllm_rate
 from controller.calibration import CalibrationFile, KneeSpec, Metadata, Phases, PhaseSpec, save
 from controller.model import Workload, break_even_rates, predict_point
 from controller.policy import Reason
-from tests.support.vllm_env import MODEL, NGRAM, VLLM_PYTHON
+from tests.support.prometheus import free_port
+from tests.support.vllm_env import MODEL, NGRAM, VLLM_PYTHON, requires_vllm
 from tests.support.waiting import wait_until as _wait_until
 
 
@@ -68,20 +67,7 @@ DWELL_S = 20
 REQUEST_TIMEOUT_S = 30
 MAX_REQUESTS = 1500
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists() or not (MODEL / "config.json").exists(),
-        reason=f"needs the vLLM venv ({VLLM_PYTHON}) and the tiny model ({MODEL}): run scripts/setup-vllm.sh",
-    ),
-]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+pytestmark = requires_vllm
 
 
 # ------------------------------------------------------------------------------------------

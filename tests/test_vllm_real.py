@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.vllm_env import MODEL, NGRAM, VLLM_PYTHON
+from tests.support.prometheus import free_port
+from tests.support.vllm_env import MODEL, NGRAM, VLLM_PYTHON, requires_vllm
 from tests.support.waiting import wait_until as _wait_until
 
 
@@ -33,20 +33,7 @@ TOKEN = "real-vllm-test-token"
 START_TIMEOUT_S = 420
 SD_SERIES = "vllm:spec_decode_num_drafts_total"
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists() or not (MODEL / "config.json").exists(),
-        reason=f"needs the vLLM venv ({VLLM_PYTHON}) and the tiny model ({MODEL}): run scripts/setup-vllm.sh",
-    ),
-]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+pytestmark = requires_vllm
 
 
 def test_launcher_toggles_sd_on_real_vllm(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controller.errors import InputError
+from controller.errors import InputError, validation_error_line
 from controller.sim.workload import Constant, RequestClass, Trace
 
 SCENARIO_KIND = "sd-controller/scenario"
@@ -90,10 +90,7 @@ def parse(text: str, where: str) -> Scenario:
     try:
         return Scenario.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise InputError(f"{where}: {loc}: {err['msg']}{more}") from None
+        raise InputError(validation_error_line(where, exc)) from None
 
 
 def load(name_or_path: str) -> Scenario:
