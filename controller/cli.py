@@ -41,7 +41,10 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sd-controller", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="sd-controller",
+        description="Switch speculative decoding on a vLLM server on and off as its load changes.",
+    )
     parser.add_argument("--version", action="version", version=f"sd-controller {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = sys.argv[1] if len(sys.argv) > 1 else None
