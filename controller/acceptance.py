@@ -14,6 +14,7 @@ All functions work on floats and on numpy arrays (broadcasting).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +36,16 @@ def tokens_per_step(alpha: ArrayLike, draft_length: ArrayLike) -> np.ndarray:
         log_a = np.log(np.where(near_one, 0.5, a))
     geometric = np.expm1((g + 1.0) * log_a) / np.expm1(log_a)
     return np.where(near_one, g + 1.0, geometric)
+
+
+def accepted_length(alpha: float, draft_length: float) -> float:
+    """:func:`tokens_per_step` on plain floats (the model's hot path; same numerics)."""
+    if alpha >= _ALPHA_ONE:
+        return draft_length + 1.0
+    if alpha <= 0.0:
+        return 1.0
+    log_a = math.log(alpha)
+    return math.expm1((draft_length + 1.0) * log_a) / math.expm1(log_a)
 
 
 def tokens_per_step_from_positions(position_acceptance: Sequence[float] | ArrayLike) -> float:

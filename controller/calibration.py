@@ -23,10 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
-from controller.model import PHASES, LatencyModel, Moe, StepCost
+from controller.model import LatencyModel, Moe, StepCost
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BENCH_COLUMNS = ("phase", "batch_size", "tokens_per_seq", "context_len", "iteration", "latency_s")
+BENCH_OPTIONAL_COLUMNS = ("draft_length", "chunk_tokens")
+BENCH_PHASES = ("prefill", "target", "verify", "mixed", "draft", "kv_cache")
 LOAD_COLUMNS = (
     "rate",
     "sd",
@@ -36,9 +38,16 @@ LOAD_COLUMNS = (
     "mean_prompt_tokens",
     "mean_gen_tokens",
 )
-REQUIRED_PHASES = ("prefill", "target", "verify")  # draft may be free (n-gram lookup)
+LOAD_OPTIONAL_COLUMNS = ("gen_tokens_std", "saturated")
 DEFAULT_WARMUP = 10
 MIN_BATCH_SIZES = 3
+# A knee must have this many distinct step sizes on each side, lower the BIC by this much and
+# the weighted squared error by this fraction: a kink that noise or one odd point can make is
+# not a compute knee.
+KNEE_MIN_SIDE = 3
+KNEE_MIN_BIC_GAIN = 10.0
+KNEE_MIN_SSE_GAIN = 0.2
+KNEE_LR_CHI2 = 3.84  # 95 % profile-likelihood interval of the knee position
 
 # --------------------------------------------------------------------------------------------
 # The file format (pydantic: out-of-range or missing fields fail with the field's path)
@@ -52,6 +61,9 @@ class _Strict(BaseModel):
 class KneeSpec(_Strict):
     at_tokens: float = Field(gt=0, description="tokens in the step where the slope changes")
     slope_delta_s_per_token: float = Field(description="slope added past the knee")
+    interval_tokens: tuple[float, float] | None = Field(
+        default=None, description="95 % profile-likelihood interval of the knee position"
+    )
 
 
 class SegmentFit(_Strict):
@@ -67,13 +79,14 @@ class PhaseFit(_Strict):
     r2: float | None
     rmse_s: float = Field(ge=0)
     max_abs_residual_s: float = Field(ge=0)
+    relative_rmse: float = Field(default=0.0, ge=0, description="RMSE of residual / measured")
     segments: list[SegmentFit] = []
     notes: list[str] = []
 
 
 class PhaseSpec(_Strict):
-    intercept_s: float = Field(ge=0, le=60, description="load-independent cost of one step")
-    slope_s_per_token: float = Field(ge=0, le=1, description="cost per token in the step")
+    intercept_s: float = Field(ge=0, le=60, description="load-independent cost of one pass")
+    slope_s_per_token: float = Field(ge=0, le=1, description="cost per token in the pass")
     context_s_per_token: float = Field(default=0.0, ge=0, le=1, description="per KV token read")
     knees: list[KneeSpec] = []
     fit: PhaseFit | None = None
@@ -98,11 +111,16 @@ class PhaseSpec(_Strict):
         )
 
 
+ZERO_PHASE = PhaseSpec(intercept_s=0.0, slope_s_per_token=0.0)
+
+
 class Phases(_Strict):
-    prefill: PhaseSpec
-    target: PhaseSpec
-    verify: PhaseSpec
-    draft: PhaseSpec = PhaseSpec(intercept_s=0.0, slope_s_per_token=0.0)
+    target: PhaseSpec = Field(description="one target forward pass: decode, verify or prompt-chunk tokens")
+    draft: PhaseSpec = Field(default=ZERO_PHASE, description="one draft forward pass (zero: n-gram)")
+    sd_overhead_s: float = Field(default=0.0, ge=0, le=10, description="fixed cost per SD step")
+    draft_prefills: bool = Field(default=True, description="the draft model prefills every prompt")
+    prefill: PhaseSpec | None = Field(default=None, description="schema 1 only: stand-alone prefill fit")
+    verify: PhaseSpec | None = Field(default=None, description="schema 1 only: the whole SD step as one fit")
 
 
 class Serving(_Strict):
@@ -110,6 +128,13 @@ class Serving(_Strict):
     max_num_batched_tokens: int | None = Field(
         default=None, ge=16, le=1_048_576, description="vLLM --max-num-batched-tokens (chunked-prefill budget per step)"
     )
+    kv_cache_tokens_off: int | None = Field(default=None, ge=1, description="KV cache capacity without SD, tokens")
+    kv_cache_tokens_on: int | None = Field(default=None, ge=1, description="KV cache capacity with SD, tokens")
+
+
+class Uncertainty(_Strict):
+    relative_sd_off: float = Field(default=0.0, ge=0, le=1, description="relative error of a step cost, SD off")
+    relative_sd_on: float = Field(default=0.0, ge=0, le=1, description="relative error of a step cost, SD on")
 
 
 class MoeSpec(_Strict):
@@ -153,28 +178,37 @@ class Metadata(BaseModel):
 
 
 class CalibrationFile(_Strict):
-    schema_version: Literal[1]
+    schema_version: Literal[2]
     kind: Literal["sd-controller/calibration"] = "sd-controller/calibration"
     example: bool = False
     metadata: Metadata = Metadata()
     serving: Serving = Serving()
     moe: MoeSpec | None = None
     phases: Phases
+    uncertainty: Uncertainty = Uncertainty()
     load_correction: LoadCorrection = LoadCorrection()
     load_check: LoadCheck | None = None
+    migrated_from: int | None = Field(default=None, description="schema version this file was read from")
 
     def latency_model(self, max_num_seqs: int | None = None) -> LatencyModel:
         """The model this calibration describes (optionally with another max_num_seqs)."""
+        ph = self.phases
         return LatencyModel(
-            prefill=self.phases.prefill.step_cost(),
-            target=self.phases.target.step_cost(),
-            verify=self.phases.verify.step_cost(),
-            draft=self.phases.draft.step_cost(),
+            target=ph.target.step_cost(),
+            draft=ph.draft.step_cost(),
+            sd_overhead_s=ph.sd_overhead_s,
+            draft_prefills=ph.draft_prefills,
+            verify=ph.verify.step_cost() if ph.verify else None,
+            prefill=ph.prefill.step_cost() if ph.prefill else None,
             max_num_seqs=max_num_seqs or self.serving.max_num_seqs,
             max_num_batched_tokens=self.serving.max_num_batched_tokens,
+            kv_cache_tokens_off=self.serving.kv_cache_tokens_off,
+            kv_cache_tokens_on=self.serving.kv_cache_tokens_on,
             moe=Moe(self.moe.num_experts, self.moe.top_k) if self.moe else None,
             scale_off=self.load_correction.scale_off,
             scale_on=self.load_correction.scale_on,
+            relative_sd_off=self.uncertainty.relative_sd_off,
+            relative_sd_on=self.uncertainty.relative_sd_on,
         )
 
 
@@ -182,10 +216,40 @@ def load(path: str | Path) -> CalibrationFile:
     """Read and validate a calibration file; one-line :class:`InputError` on any problem."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = p.read_bytes()
     except OSError as exc:
         raise InputError(f"{p}: cannot read calibration file: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{p}: calibration file is not UTF-8 text (byte {exc.start})") from exc
     return parse(text, str(p))
+
+
+RECALIBRATE_HINT = "recalibrate: sd-controller bench (prefill,target,mixed; verify on the SD server), then calibrate"
+
+
+def _migrate_v1(raw: dict, where: str) -> dict:
+    """Schema 1 → 2: keep the stand-alone prefill and whole-SD-step fits as they were.
+
+    Schema 1 had no mixed-step or draft-prefill data, so the prompt cost stays the stand-alone
+    prefill slope and the draft's prefill is not priced; the file says so in ``migrated_from``.
+    """
+    phases = raw.get("phases")
+    if not isinstance(phases, dict):
+        raise InputError(f"{where}: schema 1 file without a phases object; {RECALIBRATE_HINT}")
+    out = dict(raw)
+    out["schema_version"] = 2
+    out["migrated_from"] = 1
+    out["phases"] = {
+        "target": phases.get("target"),
+        "draft": phases.get("draft", ZERO_PHASE.model_dump()),
+        "prefill": phases.get("prefill"),
+        "verify": phases.get("verify"),
+        "draft_prefills": False,
+        "sd_overhead_s": 0.0,
+    }
+    return out
 
 
 def parse(text: str, where: str = "calibration") -> CalibrationFile:
@@ -195,11 +259,17 @@ def parse(text: str, where: str = "calibration") -> CalibrationFile:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise InputError(f"{where}: top level must be a JSON object")
     version = raw.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise InputError(f"{where}: schema_version {version!r} is not supported (this build reads {SCHEMA_VERSION})")
+    if version == 1:
+        raw = _migrate_v1(raw, where)
+    elif version != SCHEMA_VERSION:
+        raise InputError(
+            f"{where}: schema_version {version!r} is not supported (this build reads 1 and {SCHEMA_VERSION}); {RECALIBRATE_HINT}"
+        )
     try:
         return CalibrationFile.model_validate(raw)
     except ValidationError as exc:
@@ -225,6 +295,9 @@ class BenchRow:
     iteration: int
     latency_s: float
     line: int
+    draft_length: int = 0  # γ of the measured server; 0 = SD off
+    chunk_tokens: int = 0  # prompt tokens riding in the same step (phase mixed)
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -237,6 +310,8 @@ class LoadRow:
     mean_prompt_tokens: float
     mean_gen_tokens: float
     line: int
+    gen_tokens_std: float | None = None
+    saturated: bool | None = None  # measured: the queue kept growing (None: not recorded)
 
 
 def _read_csv(path: Path, columns: Sequence[str]) -> tuple[list[dict[str, str]], str]:
@@ -274,20 +349,29 @@ def _number(path: Path, line: int, column: str, cell: str | None, kind: type = f
 
 
 def read_bench_csv(path: str | Path) -> tuple[list[BenchRow], str]:
-    """Rows of a micro-benchmark CSV and the file's SHA-256."""
+    """Rows of a micro-benchmark CSV and the file's SHA-256.
+
+    ``draft_length`` and ``chunk_tokens`` are optional (files from before mixed-step
+    benchmarks): then verify rows were measured at γ = tokens_per_seq − 1, everything else with
+    SD off.
+    """
     p = Path(path)
     raw, digest = _read_csv(p, BENCH_COLUMNS)
     rows = []
     for i, r in enumerate(raw):
         line = i + 2  # header is line 1
         phase = (r["phase"] or "").strip().lower()
-        if phase not in PHASES:
-            raise InputError(f"{p}:{line}: column phase: unknown phase {phase!r} (expected {'|'.join(PHASES)})")
+        if phase not in BENCH_PHASES:
+            raise InputError(f"{p}:{line}: column phase: unknown phase {phase!r} (expected {'|'.join(BENCH_PHASES)})")
         batch = _number(p, line, "batch_size", r["batch_size"], int)
         tps = _number(p, line, "tokens_per_seq", r["tokens_per_seq"], int)
         ctx = _number(p, line, "context_len", r["context_len"])
         it = _number(p, line, "iteration", r["iteration"], int)
         lat = _number(p, line, "latency_s", r["latency_s"])
+        cell = (r.get("draft_length") or "").strip()
+        gamma = int(_number(p, line, "draft_length", cell, int)) if cell else (tps - 1 if phase == "verify" else 0)
+        cell = (r.get("chunk_tokens") or "").strip()
+        chunk = int(_number(p, line, "chunk_tokens", cell, int)) if cell else 0
         for col, val, low in (("batch_size", batch, 1), ("tokens_per_seq", tps, 1)):
             if val < low:
                 raise InputError(f"{p}:{line}: column {col}: {val:g} must be >= {low}")
@@ -295,8 +379,28 @@ def read_bench_csv(path: str | Path) -> tuple[list[BenchRow], str]:
             raise InputError(f"{p}:{line}: column context_len: {ctx:g} is negative")
         if lat < 0:
             raise InputError(f"{p}:{line}: column latency_s: {lat:g} is negative")
-        rows.append(BenchRow(phase, int(batch), int(tps), ctx, int(it), lat, line))
+        if gamma < 0 or chunk < 0:
+            raise InputError(f"{p}:{line}: columns draft_length/chunk_tokens must be >= 0")
+        if phase == "verify" and (gamma < 1 or tps != gamma + 1):
+            raise InputError(f"{p}:{line}: verify row needs tokens_per_seq = draft_length + 1 >= 2")
+        if phase == "mixed" and chunk < 1:
+            raise InputError(f"{p}:{line}: column chunk_tokens: a mixed row needs a prompt chunk >= 1")
+        if phase == "kv_cache" and ctx < 1:
+            raise InputError(f"{p}:{line}: column context_len: a kv_cache row needs the capacity in tokens")
+        rows.append(BenchRow(phase, int(batch), int(tps), ctx, int(it), lat, line, gamma, chunk, str(p)))
     return rows, digest
+
+
+def read_bench_csvs(paths: Sequence[str | Path]) -> tuple[list[BenchRow], str]:
+    """Several bench CSVs (e.g. SD off, γ = 2, γ = 4) as one row list; a digest over all."""
+    rows: list[BenchRow] = []
+    digests = []
+    for path in paths:
+        r, d = read_bench_csv(path)
+        rows.extend(r)
+        digests.append(d)
+    combined = digests[0] if len(digests) == 1 else hashlib.sha256("".join(digests).encode()).hexdigest()
+    return rows, combined
 
 
 def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
@@ -309,7 +413,12 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
         sd = (r["sd"] or "").strip().lower()
         if sd not in ("on", "off"):
             raise InputError(f"{p}:{line}: column sd: {sd!r} must be on or off")
-        vals = {c: _number(p, line, c, r[c]) for c in LOAD_COLUMNS if c != "sd"}
+        vals = {c: _number(p, line, c, r[c]) for c in LOAD_COLUMNS if c not in ("sd", "acceptance_rate")}
+        acc_cell = (r["acceptance_rate"] or "").strip()
+        if sd == "on" or acc_cell:
+            vals["acceptance_rate"] = _number(p, line, "acceptance_rate", acc_cell)
+        else:
+            vals["acceptance_rate"] = 0.0
         for c, v in vals.items():
             if v < 0:
                 raise InputError(f"{p}:{line}: column {c}: {v:g} is negative")
@@ -317,8 +426,22 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
             raise InputError(f"{p}:{line}: column acceptance_rate: {vals['acceptance_rate']:g} > 1")
         if sd == "on" and vals["draft_length"] < 1:
             raise InputError(f"{p}:{line}: column draft_length: must be >= 1 when sd is on")
-        if vals["mean_e2e_s"] <= 0 or vals["mean_gen_tokens"] <= 0:
-            raise InputError(f"{p}:{line}: mean_e2e_s and mean_gen_tokens must be > 0")
+        if vals["mean_gen_tokens"] <= 0:
+            raise InputError(f"{p}:{line}: column mean_gen_tokens: must be > 0")
+        std = None
+        cell = (r.get("gen_tokens_std") or "").strip()
+        if cell:
+            std = _number(p, line, "gen_tokens_std", cell)
+            if std < 0:
+                raise InputError(f"{p}:{line}: column gen_tokens_std: {std:g} is negative")
+        saturated = None
+        cell = (r.get("saturated") or "").strip().lower()
+        if cell:
+            if cell not in ("0", "1", "true", "false"):
+                raise InputError(f"{p}:{line}: column saturated: {cell!r} must be 0 or 1")
+            saturated = cell in ("1", "true")
+        if vals["mean_e2e_s"] <= 0 and not saturated:
+            raise InputError(f"{p}:{line}: column mean_e2e_s: must be > 0")
         rows.append(
             LoadRow(
                 vals["rate"],
@@ -329,6 +452,8 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 vals["mean_prompt_tokens"],
                 vals["mean_gen_tokens"],
                 line,
+                std,
+                saturated,
             )
         )
     return rows, digest
@@ -340,18 +465,21 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
 
 
 def drop_warmup(rows: Iterable[BenchRow], warmup: int, where: str = "bench") -> list[BenchRow]:
-    """Drop the first ``warmup`` iterations of every (phase, batch, tokens, context) group."""
+    """Drop the first ``warmup`` iterations of every measured group (kv_cache rows are facts)."""
     groups: dict[tuple, list[BenchRow]] = defaultdict(list)
-    for r in rows:
-        groups[(r.phase, r.batch_size, r.tokens_per_seq, r.context_len)].append(r)
     kept: list[BenchRow] = []
-    for (phase, batch, tps, ctx), group in groups.items():
+    for r in rows:
+        if r.phase == "kv_cache":
+            kept.append(r)
+            continue
+        groups[(r.source, r.phase, r.draft_length, r.batch_size, r.tokens_per_seq, r.context_len, r.chunk_tokens)].append(r)
+    for (_, phase, gamma, batch, tps, ctx, chunk), group in groups.items():
         group.sort(key=lambda r: r.iteration)
         if len(group) <= warmup:
             raise InputError(
-                f"{where}: phase {phase} batch_size {batch} tokens_per_seq {tps} context_len {ctx:g}:"
-                f" only {len(group)} iteration(s), all dropped as warm-up (warmup={warmup});"
-                " lower --warmup"
+                f"{where}: phase {phase} draft_length {gamma} batch_size {batch} tokens_per_seq {tps}"
+                f" context_len {ctx:g} chunk_tokens {chunk}: only {len(group)} iteration(s), all dropped"
+                f" as warm-up (warmup={warmup}); lower --warmup"
             )
         kept.extend(group[warmup:])
     return kept
@@ -367,14 +495,18 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float | None:
 def _weights(y: np.ndarray) -> np.ndarray:
     # Timing noise is relative (a 2 s step jitters more than a 2 ms one): weight by 1/y so a
     # few long prefill steps cannot drown the intercept that the short steps pin down.
-    return 1.0 / np.maximum(y, 1e-9)
+    return 1.0 / np.maximum(np.abs(y), 1e-9)
 
 
-def _nonneg_lstsq(cols: dict[str, np.ndarray], y: np.ndarray, free: set[str]) -> dict[str, float]:
+def _nonneg_lstsq(
+    cols: dict[str, np.ndarray], y: np.ndarray, free: set[str], weights: np.ndarray | None = None
+) -> dict[str, float]:
     """Weighted least squares, the columns not in ``free`` kept >= 0 (drop negatives, refit)."""
-    active = [k for k, v in cols.items() if np.ptp(v) > 0 or k == "intercept"]
-    w = _weights(y)
+    active = [k for k, v in cols.items() if np.ptp(v) > 0 or (k == "intercept" and np.any(v != 0))]
+    w = _weights(y) if weights is None else weights
     while True:
+        if not active:
+            return dict.fromkeys(cols, 0.0)
         a = np.column_stack([cols[k] for k in active]) * w[:, None]
         coef, *_ = np.linalg.lstsq(a, y * w, rcond=None)
         negative = [k for k, c in zip(active, coef, strict=True) if c < 0 and k not in free]
@@ -387,129 +519,284 @@ def _nonneg_lstsq(cols: dict[str, np.ndarray], y: np.ndarray, free: set[str]) ->
         active.remove(worst)
 
 
+# A row's passes: (count, tokens, KV tokens read) of one forward function, and whether the row
+# is a whole SD step (pays the fixed SD overhead once).
+Passes = tuple[tuple[float, float, float], ...]
+
+
 @dataclass(frozen=True)
-class _Fit:
-    spec: PhaseSpec
-    sse: float
+class _Sample:
+    """One measured latency explained as a sum of passes of the function being fitted."""
+
+    passes: Passes
+    y: float  # seconds, after subtracting what is already known (e.g. the target's passes)
+    weight: float  # 1 / measured latency: errors are relative to what was measured
+    sd_step: bool = False
 
 
-def _design(x: np.ndarray, z: np.ndarray, knee: float | None, use_ctx: bool) -> dict[str, np.ndarray]:
-    cols = {"intercept": np.ones_like(x), "slope": x}
+def _prefill_passes(total_tokens: float, budget: int | None) -> Passes:
+    """A batch's prompts as chunks of at most ``budget`` tokens, one pass each."""
+    if budget is None or total_tokens <= budget:
+        return ((1.0, total_tokens, 0.0),)
+    full = math.floor(total_tokens / budget)
+    rest = total_tokens - full * budget
+    out = [(float(full), float(budget), 0.0)]
+    if rest > 0:
+        out.append((1.0, rest, 0.0))
+    return tuple(out)
+
+
+def target_passes(row: BenchRow, budget: int | None) -> Passes:
+    """The target forward passes one bench row measured."""
+    b, k, ctx = row.batch_size, row.tokens_per_seq, row.context_len
+    if row.phase == "prefill":
+        return _prefill_passes(b * k, budget)
+    if row.phase == "mixed":
+        return ((1.0, b * k + row.chunk_tokens, b * ctx),)
+    return ((1.0, b * k, b * ctx),)  # target, verify
+
+
+def draft_passes(row: BenchRow, budget: int | None) -> Passes:
+    """The draft passes inside one SD bench row (first pass carries any prompt chunk)."""
+    b, gamma, ctx = row.batch_size, row.draft_length, row.context_len
+    if row.phase == "prefill":
+        return _prefill_passes(b * row.tokens_per_seq, budget)
+    if row.phase == "mixed":
+        return ((1.0, b + row.chunk_tokens, b * ctx), (gamma - 1.0, float(b), b * ctx))
+    if row.phase == "draft":  # a direct measurement of one draft pass
+        return ((1.0, float(b * row.tokens_per_seq), b * ctx),)
+    return ((float(gamma), float(b), b * ctx),)  # verify
+
+
+def _columns(samples: Sequence[_Sample], knee: float | None, use_ctx: bool, use_overhead: bool):
+    n = len(samples)
+    cols = {"intercept": np.zeros(n), "slope": np.zeros(n)}
     if use_ctx:
-        cols["context"] = z
+        cols["context"] = np.zeros(n)
     if knee is not None:
-        cols["knee"] = np.maximum(0.0, x - knee)
+        cols["knee"] = np.zeros(n)
+    if use_overhead:
+        cols["overhead"] = np.array([1.0 if s.sd_step else 0.0 for s in samples])
+    for i, s in enumerate(samples):
+        for count, x, z in s.passes:
+            cols["intercept"][i] += count
+            cols["slope"][i] += count * x
+            if use_ctx:
+                cols["context"][i] += count * z
+            if knee is not None:
+                cols["knee"][i] += count * max(0.0, x - knee)
     return cols
 
 
-def _fit_once(
-    x: np.ndarray, x_raw: np.ndarray, z: np.ndarray, y: np.ndarray, knee: float | None, use_ctx: bool
-) -> _Fit:
-    cols = _design(x, z, knee, use_ctx)
-    coef = _nonneg_lstsq(cols, y, free={"knee"})
+@dataclass(frozen=True)
+class _PassFit:
+    spec: PhaseSpec
+    overhead_s: float
+    sse: float
+    pred: np.ndarray
+
+
+def _fit_passes(samples: Sequence[_Sample], knee: float | None, use_ctx: bool, use_overhead: bool) -> _PassFit:
+    cols = _columns(samples, knee, use_ctx, use_overhead)
+    y = np.array([s.y for s in samples])
+    w = np.array([s.weight for s in samples])
+    coef = _nonneg_lstsq(cols, y, free={"knee"}, weights=w)
     if knee is not None and coef["slope"] + coef["knee"] < 0:
         coef["knee"] = -coef["slope"]
     pred = sum(coef[k] * cols[k] for k in cols)
-    sse = float(np.sum(((y - pred) * _weights(y)) ** 2))
+    sse = float(np.sum(((y - pred) * w) ** 2))
     spec = PhaseSpec(
         intercept_s=max(coef["intercept"], 0.0),
         slope_s_per_token=coef["slope"],
         context_s_per_token=coef.get("context", 0.0),
-        knees=[KneeSpec(at_tokens=knee, slope_delta_s_per_token=coef["knee"])] if knee else [],
+        knees=[KneeSpec(at_tokens=knee, slope_delta_s_per_token=coef["knee"])] if knee and coef["knee"] != 0 else [],
     )
-    return _Fit(spec, sse)
-
-
-def _best_knee(
-    x: np.ndarray, x_raw: np.ndarray, z: np.ndarray, y: np.ndarray, distinct: np.ndarray, use_ctx: bool
-) -> _Fit:
-    """Best single knee: scan the measured token counts, then refine between neighbours.
-
-    The knee rarely sits on a measured point; the SSE is smooth in the knee position between
-    two measured points, so a golden-section search there finds it.
-    """
-    inner = distinct[2:-2]  # at least two distinct points on each side
-    scans = [(_fit_once(x, x_raw, z, y, float(k), use_ctx), i) for i, k in enumerate(inner, start=2)]
-    best, i = min(scans, key=lambda t: t[0].sse)
-    lo, hi = float(distinct[i - 1]), float(distinct[i + 1])
-    g = (math.sqrt(5) - 1) / 2
-    for _ in range(40):
-        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-        if _fit_once(x, x_raw, z, y, a, use_ctx).sse < _fit_once(x, x_raw, z, y, b, use_ctx).sse:
-            hi = b
-        else:
-            lo = a
-    refined = _fit_once(x, x_raw, z, y, 0.5 * (lo + hi), use_ctx)
-    return refined if refined.sse < best.sse else best
+    return _PassFit(spec, max(coef.get("overhead", 0.0), 0.0), sse, pred)
 
 
 def _bic(n: int, sse: float, params: int) -> float:
     return n * math.log(max(sse, 1e-300) / n) + params * math.log(n)
 
 
-def fit_phase(rows: Sequence[BenchRow], moe: Moe | None = None, where: str = "bench") -> PhaseSpec:
-    """Fit one phase: a + b·x (+ c·z) by weighted least squares, with one knee where a line won't do.
+def _step_tokens(samples: Sequence[_Sample]) -> np.ndarray:
+    """Tokens of the largest pass of each sample (what a knee is placed against)."""
+    return np.array([max(x for _, x, _ in s.passes) for s in samples])
 
-    x = batch_size·tokens_per_seq (MoE: effective tokens), z = batch_size·context_len. The knee
-    is kept only when it lowers the BIC by more than 10 (strong evidence), so noise on a straight
-    line does not grow a knee.
+
+def _robust_knee(
+    samples: Sequence[_Sample], use_ctx: bool, use_overhead: bool, base: _PassFit, params: int
+) -> tuple[_PassFit | None, str]:
+    """One knee, only where the data support it; (fit, note). None when no knee is kept.
+
+    Candidates sit between measured step sizes with at least KNEE_MIN_SIDE distinct sizes on
+    each side; the best is refined by golden section between its neighbours and kept only when
+    it lowers the BIC by KNEE_MIN_BIC_GAIN and the error by KNEE_MIN_SSE_GAIN. Its interval is
+    where the profile likelihood stays within the 95 % χ² bound.
     """
-    phase = rows[0].phase
-    batches = sorted({r.batch_size for r in rows})
-    if len(batches) < MIN_BATCH_SIZES:
-        raise InputError(
-            f"{where}: phase {phase}: needs at least {MIN_BATCH_SIZES} distinct batch sizes, "
-            f"got {len(batches)} ({','.join(map(str, batches))})"
-        )
-    x_raw = np.array([r.batch_size * r.tokens_per_seq for r in rows], dtype=float)
-    x = moe.effective_tokens(x_raw) if moe and phase != "draft" else x_raw
-    z = np.array([r.batch_size * r.context_len for r in rows], dtype=float)
-    y = np.array([r.latency_s for r in rows], dtype=float)
-    notes: list[str] = []
-    # The context term is identifiable only if z varies independently of x.
-    use_ctx = np.ptp(z) > 0 and len({r.context_len for r in rows}) >= 2
-    if use_ctx and abs(np.corrcoef(x, z)[0, 1]) > 0.999:
-        use_ctx = False
-    if not use_ctx:
-        notes.append("context term not identifiable (context_len does not vary independently); set to 0")
-    n = len(y)
-    best = _fit_once(x, x_raw, z, y, None, use_ctx)
-    base_params = 2 + int(use_ctx)
-    best_bic = _bic(n, best.sse, base_params)
-    distinct = np.unique(x)
-    if moe is None and distinct.size >= 5:
-        knee_fit = _best_knee(x, x_raw, z, y, distinct, use_ctx)
-        bic = _bic(n, knee_fit.sse, base_params + 2)
-        if bic < best_bic - 10.0:
-            best, best_bic = knee_fit, bic
-    if best.spec.knees:
-        notes.append(f"compute knee at {best.spec.knees[0].at_tokens:g} tokens per step")
-    cost = best.spec.step_cost()
-    pred = np.asarray(cost(x, z))
-    resid = y - pred
-    bounds = [0.0, *(k.at_tokens for k in best.spec.knees), math.inf]
+    xs = np.unique(_step_tokens(samples))
+    n = len(samples)
+    if xs.size < 2 * KNEE_MIN_SIDE:
+        return None, f"no knee tried: {xs.size} distinct step sizes (needs {2 * KNEE_MIN_SIDE})"
+    cands = [(float(a) + float(b)) / 2.0 for a, b in itertools.pairwise(xs)][KNEE_MIN_SIDE - 1 : -(KNEE_MIN_SIDE - 1)]
+    scans = [(_fit_passes(samples, k, use_ctx, use_overhead), k) for k in cands]
+    best, k_best = min(scans, key=lambda t: t[0].sse)
+    i = cands.index(k_best)
+    lo = cands[i - 1] if i > 0 else float(xs[KNEE_MIN_SIDE - 1])
+    hi = cands[i + 1] if i + 1 < len(cands) else float(xs[-KNEE_MIN_SIDE])
+    g = (math.sqrt(5) - 1) / 2
+    a_, b_ = lo, hi
+    for _ in range(30):
+        a, b = b_ - g * (b_ - a_), a_ + g * (b_ - a_)
+        if _fit_passes(samples, a, use_ctx, use_overhead).sse < _fit_passes(samples, b, use_ctx, use_overhead).sse:
+            b_ = b
+        else:
+            a_ = a
+    refined = _fit_passes(samples, 0.5 * (a_ + b_), use_ctx, use_overhead)
+    if refined.sse < best.sse:
+        best, k_best = refined, 0.5 * (a_ + b_)
+    gain_bic = _bic(n, base.sse, params) - _bic(n, best.sse, params + 2)
+    gain_sse = 1.0 - best.sse / max(base.sse, 1e-300)
+    if not best.spec.knees or gain_bic < KNEE_MIN_BIC_GAIN or gain_sse < KNEE_MIN_SSE_GAIN:
+        return None, f"no knee: best at {k_best:.0f} tokens gains BIC {gain_bic:.1f}, error {gain_sse * 100:.0f} %"
+    # The interval reaches to the first scanned candidates outside the χ² bound: the scan's
+    # resolution is part of the uncertainty.
+    inside = [j for j, (f, _) in enumerate(scans) if n * math.log(max(f.sse, 1e-300) / max(best.sse, 1e-300)) <= KNEE_LR_CHI2]
+    j_lo, j_hi = (min(inside), max(inside)) if inside else (i, i)
+    interval = (
+        min(cands[max(j_lo - 1, 0)], k_best, float(xs[KNEE_MIN_SIDE - 1])) if j_lo == 0 else min(cands[j_lo - 1], k_best),
+        max(cands[min(j_hi + 1, len(cands) - 1)], k_best),
+    )
+    knee = best.spec.knees[0].model_copy(update={"interval_tokens": interval})
+    best = _PassFit(best.spec.model_copy(update={"knees": [knee]}), best.overhead_s, best.sse, best.pred)
+    note = f"knee at {k_best:.0f} tokens per pass (95 % {interval[0]:.0f}-{interval[1]:.0f}; BIC -{gain_bic:.0f})"
+    return best, note
+
+
+def _fit_report(samples: Sequence[_Sample], fit: _PassFit, measured: np.ndarray, notes: list[str]) -> PhaseFit:
+    """Fit quality against the measured latencies (not the residual targets)."""
+    y = np.array([s.y for s in samples])
+    offset = measured - y  # what was known before this fit
+    pred = fit.pred + offset
+    resid = measured - pred
+    rel = resid / np.maximum(measured, 1e-12)
+    tokens = _step_tokens(samples)
+    bounds = [0.0, *(k.at_tokens for k in fit.spec.knees), math.inf]
     segments = []
     for lo, hi in itertools.pairwise(bounds):
-        mask = (x > lo if lo > 0 else x >= lo) & (x <= hi)
-        seg_y, seg_p = y[mask], pred[mask]
+        mask = (tokens > lo if lo > 0 else tokens >= lo) & (tokens <= hi)
         segments.append(
             SegmentFit(
-                from_tokens=float(x[mask].min()) if mask.any() else lo,
-                to_tokens=float(x[mask].max()) if mask.any() else lo,
+                from_tokens=float(tokens[mask].min()) if mask.any() else lo,
+                to_tokens=float(tokens[mask].max()) if mask.any() else lo,
                 n=int(mask.sum()),
-                r2=_r2(seg_y, seg_p) if mask.sum() > 1 else None,
-                rmse_s=float(np.sqrt(np.mean((seg_y - seg_p) ** 2))) if mask.any() else 0.0,
+                r2=_r2(measured[mask], pred[mask]) if mask.sum() > 1 else None,
+                rmse_s=float(np.sqrt(np.mean(resid[mask] ** 2))) if mask.any() else 0.0,
             )
         )
-    fit = PhaseFit(
-        n=n,
-        r2=_r2(y, pred),
+    return PhaseFit(
+        n=len(samples),
+        r2=_r2(measured, pred),
         rmse_s=float(np.sqrt(np.mean(resid**2))),
         max_abs_residual_s=float(np.max(np.abs(resid))),
+        relative_rmse=float(np.sqrt(np.mean(rel**2))),
         segments=segments,
         notes=notes,
     )
-    return best.spec.model_copy(update={"fit": fit})
+
+
+def _fit_function(
+    samples: Sequence[_Sample], measured: np.ndarray, use_overhead: bool, allow_knee: bool, notes: list[str]
+) -> tuple[PhaseSpec, float]:
+    """Fit one forward function (target or draft) from its samples; (spec with fit, overhead)."""
+    z = np.array([sum(c * zz for c, _, zz in s.passes) for s in samples])
+    x = np.array([sum(c * xx for c, xx, _ in s.passes) for s in samples])
+    use_ctx = bool(np.ptp(z) > 0)
+    if use_ctx and z.size > 2 and np.ptp(x) > 0 and abs(np.corrcoef(x, z)[0, 1]) > 0.999:
+        use_ctx = False
+    if not use_ctx:
+        notes.append("context term not identifiable (KV read does not vary independently of tokens); set to 0")
+    params = 2 + int(use_ctx) + int(use_overhead)
+    fit = _fit_passes(samples, None, use_ctx, use_overhead)
+    if allow_knee:
+        knee_fit, note = _robust_knee(samples, use_ctx, use_overhead, fit, params)
+        notes.append(note)
+        if knee_fit is not None:
+            fit = knee_fit
+    report = _fit_report(samples, fit, measured, notes)
+    return fit.spec.model_copy(update={"fit": report}), fit.overhead_s
+
+
+def _require_batches(rows: Sequence[BenchRow], what: str, where: str) -> None:
+    batches = sorted({r.batch_size for r in rows})
+    if len(batches) < MIN_BATCH_SIZES:
+        raise InputError(
+            f"{where}: {what}: needs at least {MIN_BATCH_SIZES} distinct batch sizes, "
+            f"got {len(batches)} ({','.join(map(str, batches)) or 'none'})"
+        )
+
+
+def fit_target(rows: Sequence[BenchRow], budget: int | None, moe: Moe | None, where: str) -> PhaseSpec:
+    """The target forward pass from SD-off rows: decode steps, mixed steps and prefills together.
+
+    One function of the tokens in a pass: a decode batch, a decode batch plus a prompt chunk and
+    a prompt alone are all one forward pass over that many tokens, so the prompt token's cost on
+    a busy server is read off the same curve as a decode token's, past its knee.
+    """
+    decode = [r for r in rows if r.phase == "target" and r.draft_length == 0]
+    _require_batches(decode, "phase target (decode steps, SD off)", where)
+    prompt = [r for r in rows if r.phase in ("prefill", "mixed") and r.draft_length == 0]
+    if not prompt:
+        raise InputError(
+            f"{where}: no prefill or mixed rows with SD off: the prompt token's cost cannot be identified; "
+            "run sd-controller bench --phase prefill,target,mixed on the server without SD"
+        )
+    used = decode + prompt
+    samples = []
+    for r in used:
+        passes = target_passes(r, budget)
+        if moe is not None:
+            passes = tuple((c, float(moe.effective_tokens(x)), z) for c, x, z in passes)
+        samples.append(_Sample(passes, r.latency_s, 1.0 / max(r.latency_s, 1e-9)))
+    notes: list[str] = []
+    if not any(r.phase == "mixed" for r in prompt):
+        notes.append("no mixed rows: a prompt's marginal cost on a busy step is inferred from stand-alone prefills")
+    measured = np.array([r.latency_s for r in used])
+    spec, _ = _fit_function(samples, measured, False, moe is None, notes)
+    return spec
+
+
+def fit_draft(
+    rows: Sequence[BenchRow], target: StepCost, budget: int | None, where: str
+) -> tuple[PhaseSpec, float, bool]:
+    """The draft pass and the fixed SD-step overhead from SD-on rows, the target's share removed.
+
+    Returns (draft spec, overhead per SD step, whether the draft's prefill was measured).
+    """
+    sd_rows = [r for r in rows if r.draft_length > 0 and r.phase in ("verify", "mixed", "prefill", "draft")]
+    verify = [r for r in sd_rows if r.phase == "verify"]
+    _require_batches(verify, "phase verify (SD steps, on the server with SD)", where)
+    samples, measured = [], []
+    for r in sd_rows:
+        known = 0.0 if r.phase == "draft" else sum(c * target.scalar(x, z) for c, x, z in target_passes(r, budget))
+        samples.append(
+            _Sample(draft_passes(r, budget), r.latency_s - known, 1.0 / max(r.latency_s, 1e-9), r.phase in ("verify", "mixed"))
+        )
+        measured.append(r.latency_s)
+    gammas = sorted({r.draft_length for r in verify})
+    notes: list[str] = []
+    use_overhead = len(gammas) >= 2
+    if not use_overhead:
+        notes.append(f"one draft length measured ({gammas[0]}): SD-step overhead folded into the draft pass")
+    prefill_measured = any(r.phase == "prefill" for r in sd_rows)
+    if not prefill_measured:
+        notes.append("draft prefill not measured (no prefill rows on the SD server): extrapolated from decode passes")
+    spec, overhead = _fit_function(samples, np.array(measured), use_overhead, True, notes)
+    return spec, overhead, prefill_measured
+
+
+def _kv_tokens(rows: Sequence[BenchRow], sd: bool) -> int | None:
+    caps = [r.context_len for r in rows if r.phase == "kv_cache" and (r.draft_length > 0) == sd]
+    return int(min(caps)) if caps else None
 
 
 def fit_phases(
@@ -517,29 +804,18 @@ def fit_phases(
     warmup: int = DEFAULT_WARMUP,
     moe: Moe | None = None,
     where: str = "bench",
-) -> Phases:
-    """Fit every phase present; prefill, target and verify are required."""
+    budget: int | None = None,
+) -> tuple[Phases, Uncertainty]:
+    """Fit the target and draft passes; prefill (or mixed), target and verify rows are required."""
     kept = drop_warmup(rows, warmup, where)
-    by_phase: dict[str, list[BenchRow]] = defaultdict(list)
-    for r in kept:
-        by_phase[r.phase].append(r)
-    missing = [p for p in REQUIRED_PHASES if p not in by_phase]
-    if missing:
-        raise InputError(f"{where}: no rows for phase(s) {', '.join(missing)}")
-    specs = {p: fit_phase(by_phase[p], moe, where) for p in PHASES if p in by_phase}
-    if "draft" not in specs:
-        specs["draft"] = PhaseSpec(
-            intercept_s=0.0,
-            slope_s_per_token=0.0,
-            fit=PhaseFit(
-                n=0,
-                r2=None,
-                rmse_s=0.0,
-                max_abs_residual_s=0.0,
-                notes=["no draft rows: drafting taken as free (n-gram)"],
-            ),
-        )
-    return Phases(**specs)
+    target = fit_target(kept, budget, moe, where)
+    draft, overhead, _draft_prefill = fit_draft(kept, target.step_cost(), budget, where)
+    unc = Uncertainty(
+        relative_sd_off=min(target.fit.relative_rmse if target.fit else 0.0, 1.0),
+        relative_sd_on=min(max(draft.fit.relative_rmse if draft.fit else 0.0, target.fit.relative_rmse if target.fit else 0.0), 1.0),
+    )
+    phases = Phases(target=target, draft=draft, sd_overhead_s=overhead, draft_prefills=True)
+    return phases, unc
 
 
 # --------------------------------------------------------------------------------------------
@@ -551,7 +827,7 @@ def _predicted_latency(model: LatencyModel, row: LoadRow) -> float:
     from controller.acceptance import alpha_from_vllm_rate
     from controller.model import Workload, predict_point
 
-    workload = Workload(row.mean_prompt_tokens, row.mean_gen_tokens)
+    workload = Workload(row.mean_prompt_tokens, row.mean_gen_tokens, row.gen_tokens_std)
     gamma = row.draft_length if row.sd else 0
     alpha = float(alpha_from_vllm_rate(row.acceptance_rate, max(gamma, 1)))
     p = predict_point(model, row.rate, alpha, max(gamma, 1), workload)
@@ -656,16 +932,18 @@ def calibrate(
 ) -> CalibrationFile:
     """Fit a whole calibration (pure: rows and options in, file object out)."""
     moe_model = Moe(moe.num_experts, moe.top_k) if moe else None
-    phases = fit_phases(bench_rows, warmup, moe_model, where)
+    phases, unc = fit_phases(bench_rows, warmup, moe_model, where, max_num_batched_tokens)
     meta = metadata or Metadata()
     if not meta.created:
         meta = meta.model_copy(update={"created": dt.date.today().isoformat()})
+    serving = Serving(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_tokens_off=_kv_tokens(bench_rows, False),
+        kv_cache_tokens_on=_kv_tokens(bench_rows, True),
+    )
     cal = CalibrationFile(
-        schema_version=SCHEMA_VERSION,
-        metadata=meta,
-        serving=Serving(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        moe=moe,
-        phases=phases,
+        schema_version=SCHEMA_VERSION, metadata=meta, serving=serving, moe=moe, phases=phases, uncertainty=unc
     )
     if load_rows:
         correction = LoadCorrection()

@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "controller.commands.calibrate",
         "fit a calibration file from a micro-benchmark CSV",
     ),
+    "validate": (
+        "controller.commands.validate",
+        "compare a calibration's predictions with a load test (per run, per mode, break-even)",
+    ),
     "run": ("controller.commands.run", "run the controller daemon next to one vLLM server"),
     "launch": (
         "controller.launcher.cli",

@@ -1,41 +1,60 @@
 """The latency model: request latency with and without speculative decoding at a given load.
 
-Pure numpy, no I/O. See docs/model.md for the equations. In short:
+Pure Python and numpy, no I/O. docs/model.md derives every term; in short:
 
-* every engine step of a phase costs ``t(x, z) = a + b·x + Σ_j d_j·max(0, x − k_j) + c·z``
-  where ``x`` is the tokens the step processes (batch × tokens per sequence) and ``z`` the KV
-  cache it reads (batch × mean context length); the hinge terms are compute knees;
-* a request's time in the system at running batch ``B`` is
-  ``T(B) = prefill(P) + B·(prefill(P) − a_prefill) + steps · step(B)``, with ``steps = G`` and
-  ``step = target(B)`` without SD, ``steps = G / E[N]`` and ``step = γ·draft(B) + verify(B(γ+1))``
-  with SD; the second term is the other requests' prefills that stall this one;
-* Little's law closes the loop, ``B = λ·T(B)``. ``T`` is piecewise linear in ``B``, so the fixed
-  point is solved exactly, segment by segment: ``B = λ·c0 / (1 − λ·c1)``. No root with
-  ``B ≤ max_num_seqs`` means the server is overloaded at that rate: reported, never NaN.
+* One engine step is one forward pass of the target over every token scheduled in it (each
+  running sequence's decode or verify tokens plus any prompt chunk), costing
+  ``t(x, z) = a + b·x + Σ_j d_j·max(0, x − k_j) + c·z`` for ``x`` tokens and ``z`` KV tokens read
+  (:class:`StepCost`; the knee is where the pass turns compute-bound). With SD a step also runs
+  the draft γ times and pays a fixed verification overhead.
+* A running batch of B sequences reads ``z = B·ctx`` KV tokens per step, where ``ctx`` is the
+  *residence-weighted* context (:meth:`Workload.mean_context_tokens`): long generations stay
+  longer, so the batch holds more long contexts than the request mix suggests.
+* Every arriving prompt rides in one step of the running batch and makes it longer by its
+  *marginal* cost on that mixed step, ``Δ(B) = t(k·B + P) − t(k·B)`` (plus the draft's prefill
+  of the same prompt with SD); during a request's residence ``λ·T = B`` prompts arrive
+  (Little), so it waits ``B·Δ(B)`` behind other prompts. Its own prompt costs one mixed step.
+* ``T(B) = (n_steps + 1.5)·τ(B) + (B + 1)·Δ(B)``: ``n_steps = (G − 1)/E[N]`` decode (verify)
+  steps after the prefill step, half a step of waiting for the step in flight, and the prompt
+  terms. T is piecewise quadratic in B, so ``B = λ·T(B)`` is solved exactly, segment by segment.
+* The batch is bounded by ``max_num_seqs`` and by the KV cache (with SD the draft's weights and
+  KV leave less). The stability limit is the highest throughput ``B/T(B)`` below that bound (or
+  where the token budget starves prefill). Near it, arrivals and lengths vary: a
+  heavy-traffic wait (:mod:`controller.queueing`) is added so latency rises before the limit.
+* Prediction intervals scale every step cost by ``1 ± z·σ`` (σ from calibration residuals);
+  scaling all costs by ``s`` maps ``T(λ)`` to ``s·T(s·λ)``, so an interval costs no new solve.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from controller.acceptance import tokens_per_step
+from controller.acceptance import accepted_length as _accepted_length
+from controller.queueing import heavy_traffic_wait_s
 
-PHASES = ("prefill", "target", "draft", "verify")
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
+# Generated lengths vary; when no source measured their spread, assume what a per-token stop
+# probability gives (geometric lengths: standard deviation ≈ mean).
+DEFAULT_GEN_CV = 1.0
+# Half-width of a prediction interval in units of the calibration's relative residual (≈ 90 %).
+INTERVAL_Z = 1.645
+PREFILL_WAIT_STEPS = 1.5  # half a step in flight + the prompt's own (mixed) step
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Cost in seconds of one engine step of one phase.
+    """Cost in seconds of one forward pass.
 
     ``t(x, z) = intercept_s + slope_s_per_token·x + Σ_j knee_slope_deltas[j]·max(0, x − knees_tokens[j])
-    + context_s_per_token·z``: continuous, piecewise linear in the step's tokens ``x``, linear in
+    + context_s_per_token·z``: continuous, piecewise linear in the pass's tokens ``x``, linear in
     the KV tokens read ``z``.
     """
 
@@ -73,6 +92,15 @@ class StepCost:
             self.context_s_per_token * factor,
         )
 
+    @property
+    def is_zero(self) -> bool:
+        return (
+            self.intercept_s == 0.0
+            and self.slope_s_per_token == 0.0
+            and self.context_s_per_token == 0.0
+            and not any(self.knee_slope_deltas)
+        )
+
 
 ZERO_COST = StepCost(0.0, 0.0)
 
@@ -101,187 +129,470 @@ class Moe:
         return (e / k) * (1.0 - (1.0 - k / e) ** x)
 
 
+@functools.lru_cache(maxsize=64)
+def _moe_in_tokens(cost: StepCost, moe: Moe, max_tokens: float) -> StepCost:
+    """``cost`` (fitted in effective tokens) as a piecewise-linear function of real tokens.
+
+    Effective tokens are concave in x; sampled on a geometric grid and joined by straight lines
+    (hinges with negative slope changes), the model stays piecewise linear and exact to ~1 %.
+    """
+    xs = np.unique(np.concatenate([[0.0, 1.0], np.geomspace(1.0, max(max_tokens, 2.0), 40)]))
+    ts = np.asarray(cost(moe.effective_tokens(xs)))
+    slopes = np.diff(ts) / np.diff(xs)
+    return StepCost(
+        float(ts[0]),
+        float(slopes[0]),
+        tuple(float(x) for x in xs[1:-1]),
+        tuple(float(d) for d in np.diff(slopes)),
+        cost.context_s_per_token,
+    )
+
+
 @dataclass(frozen=True)
 class LatencyModel:
-    """Calibrated step costs plus the serving limits the fixed point needs."""
+    """Calibrated pass costs plus the serving limits the fixed point needs.
 
-    prefill: StepCost
+    ``target`` prices every target forward pass (decode, verify, prompt chunks). ``draft`` one
+    draft pass (zero for n-gram lookup). ``verify`` and ``prefill`` exist for calibrations from
+    before mixed-step benchmarks (schema 1): when set, ``verify`` prices the whole SD step over
+    B·(γ+1) tokens and ``prefill`` a prompt's stand-alone cost.
+    """
+
     target: StepCost
-    verify: StepCost
     draft: StepCost = ZERO_COST
+    sd_overhead_s: float = 0.0  # per SD step: rejection sampling, proposer bookkeeping
+    draft_prefills: bool = True  # a draft model prefills every prompt (n-gram lookup does not)
+    verify: StepCost | None = None
+    prefill: StepCost | None = None
     max_num_seqs: int = 256
-    # vLLM's per-step token budget (max_num_batched_tokens): decode/verify tokens of the batch
-    # plus chunked-prefill tokens. Verify steps take γ+1 of it per sequence, leaving less for
-    # admitting new prompts. None: no budget (prefill never starves).
+    # vLLM's per-step token budget (max_num_batched_tokens); None: prefill never starves.
     max_num_batched_tokens: int | None = None
+    # KV cache capacity in tokens of the server without / with SD (vllm:cache_config_info);
+    # None: only max_num_seqs bounds the batch.
+    kv_cache_tokens_off: float | None = None
+    kv_cache_tokens_on: float | None = None
     moe: Moe | None = None
     # Load-test correction: multiplies every step cost of that mode (1.0 = micro-benchmark as is).
     scale_off: float = 1.0
     scale_on: float = 1.0
+    # Relative error of one step's cost (calibration residuals): the prediction interval.
+    relative_sd_off: float = 0.0
+    relative_sd_on: float = 0.0
 
 
 @dataclass(frozen=True)
 class Workload:
-    """Mean request shape: prompt tokens P and generated tokens G."""
+    """Request shape: mean prompt tokens P, mean generated tokens G and G's spread."""
 
     prompt_tokens: float
     gen_tokens: float
+    gen_tokens_std: float | None = None  # None: not measured, DEFAULT_GEN_CV·G assumed
+
+    @property
+    def gen_tokens_var(self) -> float:
+        sd = DEFAULT_GEN_CV * self.gen_tokens if self.gen_tokens_std is None else self.gen_tokens_std
+        return sd * sd
 
     @property
     def mean_context_tokens(self) -> float:
-        # A sequence's context grows from P to P + G while it decodes.
-        return self.prompt_tokens + self.gen_tokens / 2.0
+        """KV context of the average running sequence: P + E[G²]/(2·E[G]).
+
+        A request with G tokens is in the batch for G steps, its context growing from P to
+        P + G, so the batch's context is the residence-weighted mean: Σ_G G·(P + G/2) / Σ_G G.
+        """
+        g = max(self.gen_tokens, 1e-9)
+        return self.prompt_tokens + (g * g + self.gen_tokens_var) / (2.0 * g)
+
+    @property
+    def service_scv(self) -> float:
+        """Squared coefficient of variation of a request's service (steps ∝ generated tokens)."""
+        g = max(self.gen_tokens, 1e-9)
+        return self.gen_tokens_var / (g * g)
 
 
 # --------------------------------------------------------------------------------------------
-# Linearization: T(B) = c0 + c1·B + Σ_h w_h·max(0, B − β_h) (+ MoE terms, then not linear)
+# T(B): piecewise linear pieces, then piecewise quadratic segments
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Mode:
-    """T(B) of one mode for every element; arrays broadcast to one shape."""
+class _Linear:
+    """A piecewise-linear function of B: c0 + c1·B + Σ w·max(0, B − at)."""
 
-    c0: np.ndarray
-    c1: np.ndarray
-    hinge_at: list[np.ndarray] = field(default_factory=list)
-    hinge_w: list[np.ndarray] = field(default_factory=list)
-    # MoE weight-traffic terms: coef·effective_tokens(B·tokens_per_seq)
-    moe_coef: list[np.ndarray] = field(default_factory=list)
-    moe_tps: list[np.ndarray] = field(default_factory=list)
-    # For the token budget: T(B) = pre_c0 + pre_c1·B + steps·step(B), step tokens per sequence.
-    pre_c0: np.ndarray | float = 0.0
-    pre_c1: np.ndarray | float = 0.0
-    steps: np.ndarray | float = 1.0
-    step_tokens: np.ndarray | float = 1.0
+    __slots__ = ("c0", "c1", "hinges")
 
-    def shape(self) -> tuple[int, ...]:
-        parts = [self.c0, self.c1, *self.hinge_at, *self.hinge_w, *self.moe_coef, *self.moe_tps]
-        return np.broadcast_shapes(*(np.shape(v) for v in parts))
+    def __init__(self) -> None:
+        self.c0 = 0.0
+        self.c1 = 0.0
+        self.hinges: list[tuple[float, float]] = []
 
-    def latency(self, batch, moe: Moe | None):
-        t = self.c0 + self.c1 * batch
-        for at, w in zip(self.hinge_at, self.hinge_w, strict=True):
-            t = t + w * np.maximum(0.0, batch - at)
-        if moe is not None:
-            for coef, tps in zip(self.moe_coef, self.moe_tps, strict=True):
-                t = t + coef * moe.effective_tokens(batch * tps)
+    def add_pass(self, cost: StepCost, mult: float, per_seq: float, extra: float, ctx: float) -> None:
+        """Add ``mult`` passes of ``cost`` over ``per_seq·B + extra`` tokens reading ``B·ctx``."""
+        if mult == 0.0:
+            return
+        self.c0 += mult * (cost.intercept_s + cost.slope_s_per_token * extra)
+        self.c1 += mult * (cost.slope_s_per_token * per_seq + cost.context_s_per_token * ctx)
+        for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
+            w = mult * delta * per_seq
+            if per_seq <= 0.0:  # the hinge does not move with B
+                if extra > knee:
+                    self.c0 += mult * delta * (extra - knee)
+                continue
+            at = (knee - extra) / per_seq
+            if at <= 0.0:  # active from B = 0
+                self.c0 -= w * at
+                self.c1 += w
+            else:
+                self.hinges.append((at, w))
+
+    def at_segment(self, start: float) -> tuple[float, float]:
+        """(intercept, slope) of the line in force just above ``start``."""
+        c0, c1 = self.c0, self.c1
+        for at, w in self.hinges:
+            if at <= start:
+                c0 -= w * at
+                c1 += w
+        return c0, c1
+
+    def __call__(self, b: float) -> float:
+        t = self.c0 + self.c1 * b
+        for at, w in self.hinges:
+            if b > at:
+                t += w * (b - at)
         return t
 
 
-def _add_phase(
-    mode: _Mode, cost: StepCost, mult: np.ndarray, tps: np.ndarray, ctx: np.ndarray, moe: Moe | None
-) -> None:
-    """Add ``mult`` steps of ``cost`` at ``tps`` tokens per sequence to T(B)."""
-    mode.c0 = mode.c0 + mult * cost.intercept_s
-    mode.c1 = mode.c1 + mult * cost.context_s_per_token * ctx
-    if moe is None:
-        mode.c1 = mode.c1 + mult * cost.slope_s_per_token * tps
-    else:
-        mode.moe_coef.append(mult * cost.slope_s_per_token)
-        mode.moe_tps.append(tps)
-    for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
-        # max(0, B·m − k) = m·max(0, B − k/m)
-        mode.hinge_at.append(knee / tps)
-        mode.hinge_w.append(mult * delta * tps)
-
-
-def _relu(v):
-    return np.maximum(0.0, v) if isinstance(v, np.ndarray) else (v if v > 0.0 else 0.0)
-
-
-def _step(cost: StepCost, tokens, context_tokens):
-    """Step cost on floats or arrays (the scalar path must not pay numpy's per-call overhead)."""
-    t = cost.intercept_s + cost.slope_s_per_token * tokens + cost.context_s_per_token * context_tokens
-    for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
-        t = t + delta * _relu(tokens - knee)
-    return t
-
-
-def _linearize(model: LatencyModel, workload: Workload, sd: bool, accepted_length, draft_length) -> _Mode:
-    """T(B) for one mode. Inputs are floats (scalar path) or broadcastable arrays."""
-    p, g = workload.prompt_tokens, workload.gen_tokens
-    ctx = p + g / 2.0
+def _step_costs(model: LatencyModel, sd: bool) -> tuple[StepCost, StepCost, StepCost | None, StepCost | None]:
+    """(target, draft, verify, prefill) of a mode, with its load-test scale and MoE applied."""
     scale = model.scale_on if sd else model.scale_off
-    moe = model.moe
-    prefill = model.prefill.scaled(scale) if scale != 1.0 else model.prefill
-    own_prefill = _step(prefill, prefill_tokens(p, moe) if moe else p, p)
-    # Another request's prefill stalls every running sequence by its marginal (load) cost.
-    interference = own_prefill - prefill.intercept_s
-    mode = _Mode(c0=own_prefill, c1=interference, pre_c0=own_prefill, pre_c1=interference)
-    if not sd:
-        target = model.target.scaled(scale) if scale != 1.0 else model.target
-        _add_phase(mode, target, g, 1.0, ctx, moe)
-        mode.steps, mode.step_tokens = g, 1.0
-        return mode
-    steps = g / accepted_length
-    draft, verify = model.draft, model.verify
+    target, draft, verify, prefill = model.target, model.draft, model.verify, model.prefill
+    if model.moe is not None:
+        top = float(model.max_num_batched_tokens or 16384)
+        target = _moe_in_tokens(target, model.moe, top)
+        verify = _moe_in_tokens(verify, model.moe, top) if verify is not None else None
     if scale != 1.0:
-        draft, verify = draft.scaled(scale), verify.scaled(scale)
-    _add_phase(mode, draft, steps * draft_length, 1.0, ctx, None)
-    _add_phase(mode, verify, steps, draft_length + 1.0, ctx, moe)
-    mode.steps, mode.step_tokens = steps, draft_length + 1.0
-    return mode
+        target, draft = target.scaled(scale), draft.scaled(scale)
+        verify = verify.scaled(scale) if verify is not None else None
+        prefill = prefill.scaled(scale) if prefill is not None else None
+    return target, draft, verify, prefill
 
 
-def _budget_root(mode: _Mode, c0, c1, budget: float, prompt_tokens):
-    """Rate at which the token budget binds on a segment T = c0 + c1·B (inf: never there).
+def _mode_pieces(
+    model: LatencyModel, workload: Workload, sd: bool, accepted_length: float, draft_length: float
+) -> tuple[_Linear, _Linear, float, float]:
+    """(τ(B): one decode/verify step, Δ(B): one prompt's marginal cost, steps, step tokens)."""
+    target, draft, verify, prefill = _step_costs(model, sd)
+    p, ctx = float(workload.prompt_tokens), workload.mean_context_tokens
+    g = max(float(workload.gen_tokens), 1.0)
+    k = draft_length + 1.0 if sd else 1.0
+    step, prompt = _Linear(), _Linear()
+    if sd:
+        if verify is not None:  # schema-1 calibration: the whole SD step in one fit
+            step.add_pass(verify, 1.0, k, 0.0, ctx)
+        else:
+            step.add_pass(target, 1.0, k, 0.0, ctx)
+        step.add_pass(draft, draft_length, 1.0, 0.0, ctx)
+        step.c0 += model.sd_overhead_s * model.scale_on
+    else:
+        step.add_pass(target, 1.0, 1.0, 0.0, ctx)
+    if p > 0:
+        if prefill is not None:  # schema-1: stand-alone prefill slope, no mixed-step data
+            prompt.c0 += prefill.scalar(p, p) - prefill.intercept_s
+        else:
+            # The marginal cost of P prompt tokens on a step that already carries k·B tokens.
+            prompt.add_pass(target, 1.0, k, p, 0.0)
+            prompt.add_pass(target, -1.0, k, 0.0, 0.0)
+        if sd and model.draft_prefills and not draft.is_zero:
+            prompt.add_pass(draft, 1.0, 1.0, p, 0.0)
+            prompt.add_pass(draft, -1.0, 1.0, 0.0, 0.0)
+    steps = (g - 1.0) / accepted_length
+    return step, prompt, steps, k
 
-    Admitting λ prompts of P tokens per second needs λ·P·t_step(B) prefill tokens per step
-    interval, and only N_b − k·B of each step's budget is left once the batch's k tokens per
-    sequence are in. With B = λ·c0/(1 − λ·c1) this is a quadratic in λ:
-    A·λ² + Bq·λ − N_b = 0, A = (P/steps)(a1·c0 − a0·c1), Bq = (P/steps)·a0 + k·c0 + N_b·c1,
-    where t_step = (a0 + a1·B)/steps strips the prefill terms from T.
-    """
-    a0 = c0 - mode.pre_c0
-    a1 = c1 - mode.pre_c1
-    p_over = prompt_tokens / mode.steps
-    qa = p_over * (a1 * c0 - a0 * c1)
-    qb = p_over * a0 + mode.step_tokens * c0 + budget * c1
-    disc = qb * qb + 4.0 * qa * budget
-    if isinstance(qa, np.ndarray) or isinstance(qb, np.ndarray):
-        with np.errstate(divide="ignore", invalid="ignore"):
-            root = np.where(
-                np.abs(qa) < 1e-300,
-                budget / np.where(qb > 0, qb, np.nan),
-                (-qb + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * np.where(qa == 0, 1.0, qa)),
-            )
-        return np.where((disc >= 0) & np.isfinite(root) & (root > 0), root, np.inf)
+
+def _segments(
+    step: _Linear, prompt: _Linear, steps: float, cap: float
+) -> tuple[tuple[float, float, float, float, float], ...]:
+    """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap] as (start, end, c0, c1, c2)."""
+    m = steps + PREFILL_WAIT_STEPS
+    cuts = sorted({at for at, _ in (*step.hinges, *prompt.hinges) if 0.0 < at < cap})
+    bounds = [0.0, *cuts, cap]
+    out = []
+    for lo, hi in itertools.pairwise(bounds):
+        s0, s1 = step.at_segment(lo)
+        d0, d1 = prompt.at_segment(lo)
+        out.append((lo, hi, m * s0 + d0, m * s1 + d0 + d1, d1))
+    return tuple(out)
+
+
+def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
+    """Smallest B ≥ 0 with B = λ·(c0 + c1·B + c2·B²); +inf when there is none."""
+    qa, qb, qc = lam * c2, lam * c1 - 1.0, lam * c0
     if abs(qa) < 1e-300:
-        return budget / qb if qb > 0 else math.inf
-    if disc < 0:
+        return qc / -qb if qb < 0.0 else math.inf
+    disc = qb * qb - 4.0 * qa * qc
+    if disc < 0.0:
         return math.inf
-    root = (-qb + math.sqrt(disc)) / (2.0 * qa)
-    return root if root > 0 else math.inf
+    root = math.sqrt(disc)
+    # Numerically stable roots; the fixed point reached from B = 0 is the smaller non-negative one.
+    q = -0.5 * (qb - root) if qb < 0.0 else -0.5 * (qb + root)
+    roots = [r for r in (q / qa, qc / q if q != 0.0 else math.inf) if r >= 0.0]
+    return min(roots) if roots else math.inf
 
 
-def prefill_tokens(prompt_tokens: ArrayLike, moe: Moe | None) -> np.ndarray:
-    """Weight-traffic tokens of one prompt's prefill (MoE-aware)."""
-    return moe.effective_tokens(prompt_tokens) if moe else np.asarray(prompt_tokens, dtype=float)
+@dataclass(frozen=True)
+class ModeCurve:
+    """Time in system of one mode as a function of the arrival rate (plain floats).
+
+    ``segments`` hold T(B) = c0 + c1·B + c2·B² on [start, end] for B up to the batch bound.
+    """
+
+    segments: tuple[tuple[float, float, float, float, float], ...]
+    batch_bound: float  # min(max_num_seqs, KV cache / context per sequence)
+    peak_batch: float  # where the throughput B/T(B) peaks
+    stability_limit_rps: float
+    service_scv: float
+    step: _Linear
+    prompt: _Linear
+    steps: float
+    step_tokens: float
+
+    def latency_at_batch(self, batch: float) -> float:
+        for _lo, hi, c0, c1, c2 in self.segments:
+            if batch <= hi:
+                return c0 + c1 * batch + c2 * batch * batch
+        _lo, hi, c0, c1, c2 = self.segments[-1]
+        return c0 + c1 * batch + c2 * batch * batch
+
+    def batch(self, rate_rps: float) -> float:
+        """Fluid fixed point B = λ·T(B); the bound when overloaded."""
+        if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
+            return self.batch_bound
+        if rate_rps <= 0.0:
+            return 0.0
+        for lo, hi, c0, c1, c2 in self.segments:
+            b = _fixed_point_on(rate_rps, c0, c1, c2)
+            if b <= hi * (1.0 + 1e-12) + 1e-12 and b >= lo * (1.0 - 1e-12) - 1e-12:
+                return b
+        return self.batch_bound
+
+    def fluid_latency_s(self, rate_rps: float) -> float:
+        if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
+            return math.inf
+        if rate_rps <= 0.0:
+            return self.segments[0][2]
+        return self.latency_at_batch(self.batch(rate_rps))
+
+    def latency_s(self, rate_rps: float) -> float:
+        """Mean time in system at this rate: fluid fixed point + heavy-traffic wait; inf past the limit."""
+        t = self.fluid_latency_s(rate_rps)
+        if math.isinf(t):
+            return t
+        service = self.latency_at_batch(self.peak_batch)
+        return t + heavy_traffic_wait_s(
+            rate_rps, self.stability_limit_rps, max(self.peak_batch, 1.0), service, self.service_scv
+        )
+
+    def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
+        """Latency if every step cost were ``cost_scale`` times larger: s·T(s·λ)."""
+        return cost_scale * self.latency_s(rate_rps * cost_scale)
+
+    def step_s(self, batch: float) -> float:
+        """One decode/verify step (no prompt in it) at this batch."""
+        return self.step(batch)
+
+    def throughput_at_batch(self, batch: float, budget: float | None, prompt_tokens: float) -> float:
+        """Requests per second completed with ``batch`` running (a backlog being drained)."""
+        b = min(batch, self.batch_bound)
+        if b <= 0.0:
+            return 0.0
+        t = self.latency_at_batch(b)
+        done = b / t if t > 0 else math.inf
+        if budget is None or prompt_tokens <= 0:
+            return done
+        # New prompts get only what the batch's own tokens leave of each step's budget.
+        left = budget - self.step_tokens * b
+        tau = self.step(b)
+        admitted = max(left, 0.0) / (prompt_tokens * tau) if tau > 0 else math.inf
+        return min(done, admitted)
+
+
+def _throughput_peak(segments, bound: float) -> tuple[float, float]:
+    """(batch, throughput) maximizing B/T(B) on [0, bound]."""
+    best_b, best_h = 0.0, 0.0
+    for lo, hi, c0, c1, c2 in segments:
+        cands = [hi]
+        if c2 > 0.0 and c0 > 0.0:
+            bstar = math.sqrt(c0 / c2)
+            if lo < bstar < hi:
+                cands.append(bstar)
+        for b in cands:
+            t = c0 + c1 * b + c2 * b * b
+            h = b / t if t > 0 else math.inf
+            if h > best_h * (1.0 + 1e-12):
+                best_b, best_h = b, h
+    return best_b, best_h
+
+
+def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float) -> float:
+    """Highest rate at which prompts still fit the per-step token budget (bisection).
+
+    Per step the batch needs k·B tokens and arriving prompts λ·τ·P more, τ the mean step with
+    prompts in it: τ = τ_d/(1 − λΔ). Both grow with λ, so the excess crosses zero once.
+    """
+
+    def excess(lam: float) -> float:
+        b = curve.batch(lam)
+        tau_d, delta = curve.step(b), curve.prompt(b)
+        denom = 1.0 - lam * delta
+        if denom <= 0.0:
+            return math.inf
+        return curve.step_tokens * b + lam * prompt_tokens * tau_d / denom - budget
+
+    hi = curve.stability_limit_rps * (1.0 - 1e-9)
+    if excess(hi) <= 0.0:
+        return math.inf
+    lo = 0.0
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if excess(mid) > 0.0:
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+@functools.lru_cache(maxsize=4096)
+def mode_curve(
+    model: LatencyModel, workload: Workload, sd: bool, accepted_length: float, draft_length: float
+) -> ModeCurve:
+    """Build (and cache) the exact rate curve of one mode."""
+    step, prompt, steps, k = _mode_pieces(model, workload, sd, accepted_length, draft_length)
+    bound = float(model.max_num_seqs)
+    kv = model.kv_cache_tokens_on if sd else model.kv_cache_tokens_off
+    if kv is not None and kv > 0:
+        bound = max(1.0, min(bound, kv / max(workload.mean_context_tokens, 1.0)))
+    segments = _segments(step, prompt, steps, bound)
+    peak_b, peak_h = _throughput_peak(segments, bound)
+    curve = ModeCurve(segments, bound, peak_b, peak_h, workload.service_scv, step, prompt, steps, k)
+    if model.max_num_batched_tokens is not None and workload.prompt_tokens > 0:
+        limit = _budget_limit(curve, float(model.max_num_batched_tokens), float(workload.prompt_tokens))
+        if limit < peak_h:
+            curve = replace(curve, stability_limit_rps=limit, peak_batch=curve.batch(limit))
+    return curve
 
 
 # --------------------------------------------------------------------------------------------
-# Fixed point B = λ·T(B)
+# Public API
 # --------------------------------------------------------------------------------------------
 
 
-def _segments(mode: _Mode) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per element: segment start, end, intercept and slope of T(B), in increasing B."""
-    shape = mode.shape()
-    c0, c1 = np.broadcast_to(mode.c0, shape), np.broadcast_to(mode.c1, shape)
-    if not mode.hinge_at:
-        inf = np.full((*shape, 1), np.inf)
-        return np.zeros((*shape, 1)), inf, c0[..., None], c1[..., None]
-    at = np.stack([np.broadcast_to(a, shape) for a in mode.hinge_at], axis=-1)
-    w = np.stack([np.broadcast_to(x, shape) for x in mode.hinge_w], axis=-1)
-    order = np.argsort(at, axis=-1)
-    at = np.take_along_axis(at, order, axis=-1)
-    w = np.take_along_axis(w, order, axis=-1)
-    slopes = np.concatenate([c1[..., None], c1[..., None] + np.cumsum(w, axis=-1)], axis=-1)
-    intercepts = np.concatenate([c0[..., None], c0[..., None] - np.cumsum(w * at, axis=-1)], axis=-1)
-    starts = np.concatenate([np.zeros((*shape, 1)), at], axis=-1)
-    ends = np.concatenate([at, np.full((*shape, 1), np.inf)], axis=-1)
-    return starts, ends, intercepts, slopes
+def _clamped_en(alpha: float, draft_length: int, accepted_length: float | None) -> float:
+    en = float(_accepted_length(alpha, draft_length)) if accepted_length is None else float(accepted_length)
+    return min(max(en, 1.0), draft_length + 1.0)
+
+
+def curves(
+    model: LatencyModel,
+    alpha: float,
+    draft_length: int,
+    workload: Workload,
+    accepted_length: float | None = None,
+) -> tuple[ModeCurve, ModeCurve]:
+    """(without SD, with SD) rate curves; with draft length 0 both are the plain target."""
+    off = mode_curve(model, workload, False, 1.0, 0.0)
+    if draft_length <= 0:
+        return off, off
+    en = _clamped_en(alpha, draft_length, accepted_length)
+    return off, mode_curve(model, workload, True, en, float(draft_length))
+
+
+def _speedup_from(t_off: float, t_on: float, mu_off: float, mu_on: float) -> float:
+    if math.isinf(t_off) and math.isinf(t_on):
+        return mu_on / mu_off if mu_off > 0 else math.inf
+    if math.isinf(t_on):
+        return 0.0
+    if math.isinf(t_off):
+        return math.inf
+    return t_off / t_on
+
+
+@dataclass(frozen=True)
+class PointPrediction:
+    """Both modes at one (rate, acceptance, draft length), plain floats.
+
+    ``*_lo_s``/``*_hi_s`` bound each latency if every step cost were off by the calibration's
+    residual error (``INTERVAL_Z`` σ); ``speedup_lo`` pairs SD's high with plain decoding's low
+    latency (the pessimistic speedup), ``speedup_hi`` the reverse.
+    """
+
+    rate_rps: float
+    draft_length: int
+    accepted_length: float
+    latency_off_s: float
+    latency_on_s: float
+    batch_off: float
+    batch_on: float
+    stability_limit_off_rps: float
+    stability_limit_on_rps: float
+    speedup: float
+    latency_off_lo_s: float = math.nan
+    latency_off_hi_s: float = math.nan
+    latency_on_lo_s: float = math.nan
+    latency_on_hi_s: float = math.nan
+    speedup_lo: float = math.nan
+    speedup_hi: float = math.nan
+
+    @property
+    def overloaded_off(self) -> bool:
+        return math.isinf(self.latency_off_s)
+
+    @property
+    def overloaded_on(self) -> bool:
+        return math.isinf(self.latency_on_s)
+
+
+def predict_point(
+    model: LatencyModel,
+    rate_rps: float,
+    alpha: float,
+    draft_length: int,
+    workload: Workload,
+    accepted_length: float | None = None,
+) -> PointPrediction:
+    """Both modes at one point, with prediction intervals (a few µs once the curves are cached)."""
+    if rate_rps < 0 or not math.isfinite(rate_rps):
+        raise ValueError("arrival rate must be finite and >= 0")
+    off, on = curves(model, alpha, draft_length, workload, accepted_length)
+    en = _clamped_en(alpha, max(draft_length, 0), accepted_length) if draft_length > 0 else 1.0
+    t_off, t_on = off.latency_s(rate_rps), on.latency_s(rate_rps)
+    s_off = INTERVAL_Z * model.relative_sd_off
+    s_on = INTERVAL_Z * model.relative_sd_on if draft_length > 0 else s_off
+    off_lo, off_hi = off.latency_scaled_s(rate_rps, max(1.0 - s_off, 0.05)), off.latency_scaled_s(rate_rps, 1.0 + s_off)
+    on_lo, on_hi = on.latency_scaled_s(rate_rps, max(1.0 - s_on, 0.05)), on.latency_scaled_s(rate_rps, 1.0 + s_on)
+    mu_off, mu_on = off.stability_limit_rps, on.stability_limit_rps
+    return PointPrediction(
+        float(rate_rps),
+        int(draft_length),
+        en,
+        t_off,
+        t_on,
+        off.batch(rate_rps),
+        on.batch(rate_rps),
+        mu_off,
+        mu_on,
+        _speedup_from(t_off, t_on, mu_off, mu_on),
+        off_lo,
+        off_hi,
+        on_lo,
+        on_hi,
+        _speedup_from(off_lo, on_hi, mu_off * (1.0 - s_off), mu_on / (1.0 + s_on)),
+        _speedup_from(off_hi, on_lo, mu_off / (1.0 + s_off), mu_on * (1.0 - s_on)),
+    )
+
+
+def speedup_point(model: LatencyModel, rate_rps: float, alpha: float, draft_length: int, workload: Workload) -> float:
+    """Scalar speedup T_off / T_on at one point (see :class:`Prediction` for overload)."""
+    off, on = curves(model, alpha, draft_length, workload)
+    return _speedup_from(off.latency_s(rate_rps), on.latency_s(rate_rps), off.stability_limit_rps, on.stability_limit_rps)
 
 
 @dataclass(frozen=True)
@@ -294,155 +605,13 @@ class ModePrediction:
     stability_limit_rps: np.ndarray
 
 
-def _stability_limit(mode: _Mode, cap: float, moe: Moe | None) -> np.ndarray:
-    """Largest sustainable rate: max over B ≤ cap of the throughput B / T(B).
-
-    Between knees B/T(B) is monotone (its derivative has the sign of the segment intercept), so
-    the maximum sits at a knee or at the cap. With MoE terms it is searched on a grid instead.
-    """
-    c0 = np.broadcast_to(mode.c0, mode.shape())
-    grid = np.linspace(0.0, cap, 513)[1:] if moe is not None and mode.moe_coef else np.array([cap], dtype=float)
-    candidates = [np.broadcast_to(grid, c0.shape + grid.shape)]
-    for at in mode.hinge_at:
-        a = np.broadcast_to(at, c0.shape)[..., None]
-        candidates.append(np.where((a > 0) & (a < cap), a, cap))
-    b = np.concatenate(candidates, axis=-1)
-    t = _latency_expanded(mode, b, moe)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        throughput = np.where(t > 0, b / t, np.inf)
-    return throughput.max(axis=-1)
-
-
-def _latency_expanded(mode: _Mode, batch: np.ndarray, moe: Moe | None) -> np.ndarray:
-    """T at a trailing axis of batch values (coefficients broadcast over it)."""
-    expanded = _Mode(
-        c0=np.asarray(mode.c0)[..., None],
-        c1=np.asarray(mode.c1)[..., None],
-        hinge_at=[np.asarray(a)[..., None] for a in mode.hinge_at],
-        hinge_w=[np.asarray(w)[..., None] for w in mode.hinge_w],
-        moe_coef=[np.asarray(c)[..., None] for c in mode.moe_coef],
-        moe_tps=[np.asarray(t)[..., None] for t in mode.moe_tps],
-    )
-    return expanded.latency(batch, moe)
-
-
-def _solve(
-    mode: _Mode, rate: np.ndarray, cap: float, moe: Moe | None, budget: float | None = None, prompt_tokens=0.0
-) -> ModePrediction:
-    limit = _stability_limit(mode, cap, moe)
-    rate, limit = np.broadcast_arrays(rate, limit)
-
-    def batch_at(r: np.ndarray) -> np.ndarray:
-        if moe is not None and mode.moe_coef:
-            return _solve_numeric(mode, r, cap, moe)
-        return _solve_closed_form(mode, r)
-
-    batch = batch_at(rate)
-    if budget is not None and np.any(np.asarray(prompt_tokens) > 0):
-        if moe is not None and mode.moe_coef:
-            b_limit = _budget_limit(mode, limit, batch_at, float(budget), prompt_tokens, moe)
-        else:
-            b_limit = _budget_limit_closed_form(mode, float(budget), prompt_tokens)
-        limit = np.minimum(limit, b_limit)
-    # At the limit the queue is null-recurrent: call it overloaded, like ρ = 1 in queueing.
-    overloaded = (rate >= limit * (1.0 - 1e-12)) | ~np.isfinite(batch) | (batch > cap)
-    safe_batch = np.where(overloaded, cap, batch)
-    latency = np.where(overloaded, np.inf, mode.latency(safe_batch, moe))
-    return ModePrediction(latency, safe_batch, overloaded, limit)
-
-
-def _budget_limit(
-    mode: _Mode, limit: np.ndarray, batch_at, budget: float, prompt_tokens, moe: Moe | None
-) -> np.ndarray:
-    """Rate where prefill starves under the token budget, by bisection below the stability limit.
-
-    The excess λ·P·t_step(B(λ)) + k·B(λ) − N_b rises with λ (B and the step time both grow),
-    so it crosses zero at most once. (The scalar path solves the same point in closed form.)
-    """
-
-    def excess(r: np.ndarray) -> np.ndarray:
-        b = batch_at(r)
-        b = np.where(np.isfinite(b), b, 0.0)
-        t_step = (mode.latency(b, moe) - mode.pre_c0 - mode.pre_c1 * b) / mode.steps
-        return r * prompt_tokens * t_step + mode.step_tokens * b - budget
-
-    hi = np.asarray(limit, dtype=float) * (1.0 - 1e-12)
-    binds = excess(hi) > 0
-    lo = np.zeros_like(hi)
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        over = excess(mid) > 0
-        lo = np.where(over, lo, mid)
-        hi = np.where(over, mid, hi)
-    return np.where(binds, 0.5 * (lo + hi), np.inf)
-
-
-def _budget_limit_closed_form(mode: _Mode, budget: float, prompt_tokens) -> np.ndarray:
-    """:func:`_budget_root` on every segment at once; the lowest root whose batch lies on its
-    own segment is where prefill starves."""
-    starts, ends, intercepts, slopes = _segments(mode)
-    ex = _Mode(
-        c0=intercepts,
-        c1=slopes,
-        pre_c0=np.asarray(mode.pre_c0)[..., None],
-        pre_c1=np.asarray(mode.pre_c1)[..., None],
-        steps=np.asarray(mode.steps)[..., None],
-        step_tokens=np.asarray(mode.step_tokens)[..., None],
-    )
-    root = _budget_root(ex, intercepts, slopes, budget, np.asarray(prompt_tokens, dtype=float)[..., None])
-    root = np.asarray(root) * np.ones_like(intercepts)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        denom = 1.0 - root * slopes
-        b = np.where(denom > 0, root * intercepts / np.where(denom > 0, denom, 1.0), np.inf)
-    tol = 1e-9 * np.maximum(1.0, np.abs(b))
-    valid = np.isfinite(root) & (denom > 0) & (b >= starts - tol) & (b <= ends + tol)
-    return np.where(valid, root, np.inf).min(axis=-1)
-
-
-def _solve_closed_form(mode: _Mode, rate: np.ndarray) -> np.ndarray:
-    """Smallest B with B = λ·(c0_s + c1_s·B) on its own segment s; +inf when there is none."""
-    starts, ends, intercepts, slopes = _segments(mode)
-    lam = rate[..., None]
-    denom = 1.0 - lam * slopes
-    with np.errstate(divide="ignore", invalid="ignore"):
-        root = np.where(denom > 0, lam * intercepts / np.where(denom > 0, denom, 1.0), np.inf)
-    tol = 1e-12 * np.maximum(1.0, np.abs(root))
-    valid = (denom > 0) & (root >= starts - tol) & (root <= ends + tol)
-    first = np.argmax(valid, axis=-1)[..., None]
-    batch = np.take_along_axis(root, first, axis=-1)[..., 0]
-    return np.where(valid.any(axis=-1), batch, np.inf)
-
-
-def _solve_numeric(mode: _Mode, rate: np.ndarray, cap: float, moe: Moe) -> np.ndarray:
-    """First root of λ·T(B) − B on [0, cap] by grid bracketing then bisection (MoE only)."""
-    grid = np.linspace(0.0, cap, 257)
-    t = _latency_expanded(mode, np.broadcast_to(grid, rate.shape + grid.shape), moe)
-    f = rate[..., None] * t - grid
-    crossed = f <= 0
-    has_root = crossed.any(axis=-1)
-    idx = np.maximum(np.argmax(crossed, axis=-1), 1)
-    lo = grid[idx - 1]
-    hi = grid[idx]
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        above = rate * mode.latency(mid, moe) - mid > 0
-        lo = np.where(above, mid, lo)
-        hi = np.where(above, hi, mid)
-    return np.where(has_root, 0.5 * (lo + hi), np.inf)
-
-
-# --------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Prediction:
     """Both modes at each (rate, acceptance, draft length); ``speedup`` = T_off / T_on.
 
     When a mode is overloaded its latency is +inf; then speedup is 0 when SD is overloaded and
-    has the smaller capacity, +inf when only SD keeps up, and μ_on / μ_off (> 1) when both are
-    overloaded but SD falls behind no faster. So S never rises with load past SD's limit.
+    has the smaller capacity, +inf when only SD keeps up, and μ_on / μ_off when both are
+    overloaded. So S never rises with load past SD's limit.
     """
 
     off: ModePrediction
@@ -459,236 +628,25 @@ def predict(
     workload: Workload,
     accepted_length: ArrayLike | None = None,
 ) -> Prediction:
-    """Latency with and without SD, vectorized over broadcastable arrays.
-
-    ``alpha`` is the per-token acceptance (see :mod:`controller.acceptance`); pass
-    ``accepted_length`` (E[N], e.g. from per-position counters) to use a measured value
-    instead of the geometric one. ``draft_length`` 0 means no drafting: then SD is the plain
-    target step and speedup is exactly 1.
-    """
+    """:func:`predict_point` over broadcastable arrays (the same solver, element by element;
+    curves are cached per (acceptance, draft length), so a sweep over rates is cheap)."""
     rate = np.asarray(rate_rps, dtype=float)
     if np.any(rate < 0) or not np.all(np.isfinite(rate)):
         raise ValueError("arrival rate must be finite and >= 0")
-    gamma = np.asarray(draft_length, dtype=float)
-    en = tokens_per_step(alpha, gamma) if accepted_length is None else np.asarray(accepted_length, dtype=float)
-    en = np.clip(en, 1.0, gamma + 1.0)
-    rate, gamma, en = np.broadcast_arrays(rate, gamma, en)
-    cap = float(model.max_num_seqs)
-    nb, p = model.max_num_batched_tokens, workload.prompt_tokens
-    off = _solve(_linearize(model, workload, False, en, gamma), rate, cap, model.moe, nb, p)
-    on_sd = _solve(_linearize(model, workload, True, en, np.maximum(gamma, 1.0)), rate, cap, model.moe, nb, p)
-    no_draft = gamma <= 0
-    on = ModePrediction(*(np.where(no_draft, a, b) for a, b in zip(_fields(off), _fields(on_sd), strict=True)))
-    return Prediction(off, on, _speedup(off, on), en)
-
-
-def _fields(m: ModePrediction) -> tuple[np.ndarray, ...]:
-    return (m.latency_s, m.batch, m.overloaded, m.stability_limit_rps)
-
-
-def _speedup(off: ModePrediction, on: ModePrediction) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        both_stable = off.latency_s / np.where(on.overloaded, 1.0, on.latency_s)
-        capacity_ratio = on.stability_limit_rps / off.stability_limit_rps
-    return np.select(
-        [off.overloaded & on.overloaded & (capacity_ratio >= 1), on.overloaded, off.overloaded],
-        [capacity_ratio, 0.0, np.inf],
-        both_stable,
-    )
-
-
-@dataclass(frozen=True)
-class RateCurve:
-    """T as a function of the arrival rate for one mode, exact and scalar (no numpy).
-
-    On the rates where the fixed point sits on batch segment s, T(λ) = c0_s / (1 − λ·c1_s).
-    ``segments`` holds (λ_end, c0_s, c1_s) in increasing λ; the last λ_end is the stability
-    limit. A segment on which throughput B/T(B) falls is never where the *smallest* root lives,
-    so it is skipped.
-    """
-
-    segments: tuple[tuple[float, float, float], ...]
-
-    @property
-    def stability_limit_rps(self) -> float:
-        return self.segments[-1][0]
-
-    def coefficients(self, rate_rps: float) -> tuple[float, float] | None:
-        """(c0, c1) of the segment in force at this rate; None when overloaded."""
-        if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
-            return None
-        for end, c0, c1 in self.segments:
-            if rate_rps <= end:
-                return c0, c1
-        return None  # pragma: no cover - guarded by the limit check
-
-    def latency_s(self, rate_rps: float) -> float:
-        """Time in system at this rate; +inf when overloaded."""
-        c = self.coefficients(rate_rps)
-        return math.inf if c is None else c[0] / (1.0 - rate_rps * c[1])
-
-    def batch(self, rate_rps: float, cap: float) -> float:
-        t = self.latency_s(rate_rps)
-        return cap if math.isinf(t) else rate_rps * t
-
-
-def rate_curve(mode: _Mode, cap: float, budget: float | None = None, prompt_tokens: float = 0.0) -> RateCurve:
-    """Build the exact T(λ) of a scalar (float) linearized mode without MoE terms.
-
-    With a token ``budget`` the curve ends where prefill starves (see :func:`_budget_root`).
-    """
-    curve = _rate_curve(mode, cap)
-    if budget is None or prompt_tokens <= 0:
-        return curve
-    kept: list[tuple[float, float, float]] = []
-    lo = 0.0
-    for end, c0, c1 in curve.segments:
-        root = _budget_root(mode, c0, c1, float(budget), prompt_tokens)
-        if lo <= root < end:
-            kept.append((root, c0, c1))
-            break
-        kept.append((end, c0, c1))
-        lo = end
-    return RateCurve(tuple(kept))
-
-
-def _rate_curve(mode: _Mode, cap: float) -> RateCurve:
-    c0, c1 = float(mode.c0), float(mode.c1)
-    if not mode.hinge_at:  # one line: the limit is the throughput at the cap
-        return RateCurve(((cap / (c0 + c1 * cap), c0, c1),))
-    hinges = sorted(zip(mode.hinge_at, mode.hinge_w, strict=True))
-    segments: list[tuple[float, float, float]] = []
-    best = 0.0  # highest throughput B/T(B) reached so far: the rates already covered
-    start = 0.0
-    for at, w in [*hinges, (math.inf, 0.0)]:
-        end = min(at, cap)
-        if end > start:
-            t_end = c0 + c1 * end
-            throughput = end / t_end if t_end > 0 else math.inf
-            if throughput > best:
-                segments.append((throughput, c0, c1))
-                best = throughput
-        if at >= cap:
-            break
-        start = max(start, at)
-        c1 += w
-        c0 -= w * at
-    if not segments:  # degenerate: zero cap
-        segments.append((0.0, c0, c1))
-    return RateCurve(tuple(segments))
-
-
-@dataclass(frozen=True)
-class PointPrediction:
-    """Both modes at one (rate, acceptance, draft length), plain floats."""
-
-    rate_rps: float
-    draft_length: int
-    accepted_length: float
-    latency_off_s: float
-    latency_on_s: float
-    batch_off: float
-    batch_on: float
-    stability_limit_off_rps: float
-    stability_limit_on_rps: float
-    speedup: float
-
-    @property
-    def overloaded_off(self) -> bool:
-        return math.isinf(self.latency_off_s)
-
-    @property
-    def overloaded_on(self) -> bool:
-        return math.isinf(self.latency_on_s)
-
-
-def _accepted_length(alpha: float, draft_length: int) -> float:
-    """E[N] on floats, same numerics as :func:`controller.acceptance.tokens_per_step`."""
-    if alpha >= 1.0 - 1e-15:
-        return draft_length + 1.0
-    if alpha <= 0.0:
-        return 1.0
-    log_a = math.log(alpha)
-    return math.expm1((draft_length + 1) * log_a) / math.expm1(log_a)
-
-
-def curves(
-    model: LatencyModel,
-    alpha: float,
-    draft_length: int,
-    workload: Workload,
-    accepted_length: float | None = None,
-) -> tuple[RateCurve, RateCurve]:
-    """(without SD, with SD) exact rate curves; not available for MoE models."""
-    if model.moe is not None:
-        raise ValueError("rate curves are exact only without MoE; use predict()")
-    cap = float(model.max_num_seqs)
-    en = _accepted_length(alpha, draft_length) if accepted_length is None else accepted_length
-    en = min(max(en, 1.0), draft_length + 1.0)
-    nb, p = model.max_num_batched_tokens, float(workload.prompt_tokens)
-    off = rate_curve(_linearize(model, workload, False, en, draft_length), cap, nb, p)
-    if draft_length <= 0:
-        return off, off
-    return off, rate_curve(_linearize(model, workload, True, en, float(draft_length)), cap, nb, p)
-
-
-def _speedup_from(t_off: float, t_on: float, mu_off: float, mu_on: float) -> float:
-    if math.isinf(t_off) and math.isinf(t_on) and mu_on >= mu_off:
-        return mu_on / mu_off
-    if math.isinf(t_on):
-        return 0.0
-    if math.isinf(t_off):
-        return math.inf
-    return t_off / t_on
-
-
-def predict_point(
-    model: LatencyModel,
-    rate_rps: float,
-    alpha: float,
-    draft_length: int,
-    workload: Workload,
-    accepted_length: float | None = None,
-) -> PointPrediction:
-    """:func:`predict` for one point, in pure Python (about 10 µs); agrees with it exactly."""
-    if rate_rps < 0 or not math.isfinite(rate_rps):
-        raise ValueError("arrival rate must be finite and >= 0")
-    if model.moe is not None:
-        p = predict(model, rate_rps, alpha, draft_length, workload, accepted_length)
-        return PointPrediction(
-            float(rate_rps), int(draft_length), float(p.accepted_length),
-            float(p.off.latency_s), float(p.on.latency_s), float(p.off.batch), float(p.on.batch),
-            float(p.off.stability_limit_rps), float(p.on.stability_limit_rps), float(p.speedup),
+    en_in = np.nan if accepted_length is None else accepted_length
+    r, a, g, e = np.broadcast_arrays(rate, np.asarray(alpha, dtype=float), np.asarray(draft_length), np.asarray(en_in, dtype=float))
+    out = np.empty((9, *r.shape))
+    for idx in np.ndindex(r.shape):
+        gamma = int(g[idx])
+        p = predict_point(model, float(r[idx]), float(a[idx]), gamma, workload, None if math.isnan(e[idx]) else float(e[idx]))
+        out[(slice(None), *idx)] = (
+            p.latency_off_s, p.batch_off, p.stability_limit_off_rps,
+            p.latency_on_s, p.batch_on, p.stability_limit_on_rps,
+            p.speedup, p.accepted_length, 0.0,
         )  # fmt: skip
-    off, on = curves(model, alpha, draft_length, workload, accepted_length)
-    cap = float(model.max_num_seqs)
-    en = _accepted_length(alpha, draft_length) if accepted_length is None else accepted_length
-    t_off, t_on = off.latency_s(rate_rps), on.latency_s(rate_rps)
-    return PointPrediction(
-        float(rate_rps),
-        int(draft_length),
-        float(min(max(en, 1.0), draft_length + 1.0)),
-        t_off,
-        t_on,
-        off.batch(rate_rps, cap),
-        on.batch(rate_rps, cap),
-        off.stability_limit_rps,
-        on.stability_limit_rps,
-        _speedup_from(t_off, t_on, off.stability_limit_rps, on.stability_limit_rps),
-    )
-
-
-def speedup_point(model: LatencyModel, rate_rps: float, alpha: float, draft_length: int, workload: Workload) -> float:
-    """Scalar speedup T_off / T_on at one point (see :class:`Prediction` for overload)."""
-    if model.moe is not None:
-        return predict_point(model, rate_rps, alpha, draft_length, workload).speedup
-    off, on = curves(model, alpha, draft_length, workload)
-    return _speedup_from(
-        off.latency_s(rate_rps),
-        on.latency_s(rate_rps),
-        off.stability_limit_rps,
-        on.stability_limit_rps,
-    )
+    off = ModePrediction(out[0], out[1], np.isinf(out[0]), out[2])
+    on = ModePrediction(out[3], out[4], np.isinf(out[3]), out[5])
+    return Prediction(off, on, out[6], out[7])
 
 
 # --------------------------------------------------------------------------------------------
@@ -710,6 +668,10 @@ class BreakEven:
     always_above: bool
 
 
+BREAK_EVEN_GRID = 32  # rates scanned to bracket the first crossing
+BREAK_EVEN_REL_TOL = 1e-6
+
+
 def break_even_rates(
     model: LatencyModel,
     alpha: float,
@@ -720,69 +682,36 @@ def break_even_rates(
 ) -> dict[float, BreakEven]:
     """Lowest rate at which the speedup drops below each threshold.
 
-    Exact: on each interval where both modes sit on one linear segment, S(λ) is a ratio of
-    c0/(1 − λ·c1) terms, so S(λ) = s is a linear equation in λ. MoE models use a grid search.
+    A grid over [0, first stability limit) brackets the first crossing, bisection refines it
+    to 1e-6 relative. Past SD's own limit the speedup is 0, so SD overloading first is a
+    crossing at μ_on.
     """
-    if model.moe is not None:
-        return _break_even_grid(model, alpha, draft_length, workload, thresholds, accepted_length)
     off, on = curves(model, alpha, draft_length, workload, accepted_length)
     mu_off, mu_on = off.stability_limit_rps, on.stability_limit_rps
-    # Merge the breakpoints of both curves up to the first overload.
     stop = min(mu_off, mu_on)
-    edges = sorted({e for e, _, _ in (*off.segments, *on.segments) if e < stop} | {stop})
+
+    def speedup(lam: float) -> float:
+        return _speedup_from(off.latency_s(lam), on.latency_s(lam), mu_off, mu_on)
+
+    grid = [stop * i / BREAK_EVEN_GRID for i in range(BREAK_EVEN_GRID)] + [stop * (1.0 - 1e-9)]
+    values = [speedup(lam) for lam in grid]
     result: dict[float, BreakEven] = {}
     for th in (float(t) for t in thresholds):
-        result[th] = _first_crossing(off, on, edges, th, mu_off, mu_on)
-    return result
-
-
-def _first_crossing(
-    off: RateCurve, on: RateCurve, edges: list[float], s: float, mu_off: float, mu_on: float
-) -> BreakEven:
-    if _speedup_from(off.latency_s(0.0), on.latency_s(0.0), mu_off, mu_on) < s:
-        return BreakEven(s, 0.0, False)
-    lo = 0.0
-    for hi in edges:
-        mid = 0.5 * (lo + hi)
-        (c0o, c1o), (c0s, c1s) = off.coefficients(mid), on.coefficients(mid)  # type: ignore[misc]
-        # c0o/(1 − λc1o) = s·c0s/(1 − λc1s)  ⇔  λ·(s·c0s·c1o − c0o·c1s) = s·c0s − c0o
-        denom = s * c0s * c1o - c0o * c1s
-        s_hi = c0o * (1.0 - hi * c1s) / (c0s * (1.0 - hi * c1o)) if hi * c1o < 1.0 else math.inf
-        if s_hi < s and denom != 0.0:
-            root = (s * c0s - c0o) / denom
-            return BreakEven(s, float(min(max(root, lo), hi)), False)
-        lo = hi
-    # Past the first overload: SD overloaded first -> S drops to 0 there; otherwise S = inf.
-    if mu_on <= mu_off:
-        return BreakEven(s, float(mu_on), False)
-    return BreakEven(s, None, True)
-
-
-def _break_even_grid(
-    model: LatencyModel,
-    alpha: float,
-    draft_length: int,
-    workload: Workload,
-    thresholds: Sequence[float],
-    accepted_length: float | None,
-) -> dict[float, BreakEven]:
-    zero = predict(model, 0.0, alpha, draft_length, workload, accepted_length)
-    top = float(max(zero.off.stability_limit_rps, zero.on.stability_limit_rps))
-    result: dict[float, BreakEven] = {}
-    for th in (float(t) for t in thresholds):
-        if float(zero.speedup) < th:
+        if values[0] < th:
             result[th] = BreakEven(th, 0.0, False)
             continue
-        lo, hi, found = 0.0, top, False
-        for _ in range(5):  # each round narrows the bracket 200-fold
-            rates = np.linspace(lo, hi, 201)[1:]
-            below = predict(model, rates, alpha, draft_length, workload, accepted_length).speedup < th
-            if not below.any():
-                break
-            found = True
-            i = int(np.argmax(below))
-            lo, hi = (rates[i - 1] if i > 0 else lo), rates[i]
-        result[th] = BreakEven(th, 0.5 * (lo + hi), False) if found else BreakEven(th, None, True)
+        hit = next((i for i, v in enumerate(values) if v < th), None)
+        if hit is None:
+            result[th] = BreakEven(th, float(mu_on), False) if mu_on <= mu_off else BreakEven(th, None, True)
+            continue
+        lo, hi = grid[hit - 1], grid[hit]
+        while hi - lo > BREAK_EVEN_REL_TOL * max(hi, 1e-12):
+            mid = 0.5 * (lo + hi)
+            if speedup(mid) < th:
+                hi = mid
+            else:
+                lo = mid
+        result[th] = BreakEven(th, 0.5 * (lo + hi), False)
     return result
 
 
@@ -809,10 +738,21 @@ def best_draft_length(
     gammas = sorted({int(c) for c in candidates})
     if not gammas or gammas[0] < 1:
         raise ValueError("draft length candidates must be integers >= 1")
-    points = [predict_point(model, rate_rps, alpha, g, workload) for g in gammas]
-    stable = [p for p in points if not p.overloaded_on]
-    best = min(stable, key=lambda p: p.latency_on_s) if stable else max(points, key=lambda p: p.speedup)
-    return DraftChoice(best.draft_length, best.speedup, best.latency_on_s)
+    off = mode_curve(model, workload, False, 1.0, 0.0)
+    t_off, mu_off = off.latency_s(rate_rps), off.stability_limit_rps
+    best: DraftChoice | None = None
+    best_overloaded: DraftChoice | None = None
+    for g in gammas:
+        on = mode_curve(model, workload, True, _clamped_en(alpha, g, None), float(g))
+        t_on = on.latency_s(rate_rps)
+        s = _speedup_from(t_off, t_on, mu_off, on.stability_limit_rps)
+        choice = DraftChoice(g, s, t_on)
+        if math.isinf(t_on):
+            if best_overloaded is None or s > best_overloaded.speedup:
+                best_overloaded = choice
+        elif best is None or t_on < best.latency_on_s:
+            best = choice
+    return best if best is not None else best_overloaded  # type: ignore[return-value]
 
 
 def throughput_at_batch(
@@ -833,21 +773,12 @@ def throughput_at_batch(
     """
     if batch <= 0:
         return 0.0
-    en = _accepted_length(alpha, draft_length) if accepted_length is None else accepted_length
-    en = min(max(en, 1.0), draft_length + 1.0)
-    mode = _linearize(model, workload, sd and draft_length > 0, en, float(max(draft_length, 1)))
-    t = float(np.asarray(mode.latency(float(batch), model.moe)))
-    completed = batch / t if t > 0 else math.inf
-    if model.max_num_batched_tokens is None or workload.prompt_tokens <= 0:
-        return completed
-    # New prompts only get what the batch's own tokens leave of each step's budget.
-    t_step = (t - float(mode.pre_c0) - float(mode.pre_c1) * batch) / float(mode.steps)
-    left = model.max_num_batched_tokens - float(mode.step_tokens) * batch
-    admitted = max(left, 0.0) / (workload.prompt_tokens * t_step) if t_step > 0 else math.inf
-    return min(completed, admitted)
+    off, on = curves(model, alpha, max(draft_length, 1), workload, accepted_length)
+    curve = on if sd and draft_length > 0 else off
+    return curve.throughput_at_batch(batch, model.max_num_batched_tokens, float(workload.prompt_tokens))
 
 
 def stability_limits(model: LatencyModel, alpha: float, draft_length: int, workload: Workload) -> tuple[float, float]:
     """(limit without SD, limit with SD) in requests per second."""
-    p = predict_point(model, 0.0, alpha, draft_length, workload)
-    return p.stability_limit_off_rps, p.stability_limit_on_rps
+    off, on = curves(model, alpha, draft_length, workload)
+    return off.stability_limit_rps, on.stability_limit_rps

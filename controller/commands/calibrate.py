@@ -14,7 +14,13 @@ from controller.errors import InputError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bench_csv", type=Path, help="micro-benchmark CSV: " + ",".join(cal_mod.BENCH_COLUMNS))
+    p.add_argument(
+        "bench_csv",
+        type=Path,
+        nargs="+",
+        help="micro-benchmark CSV(s) from sd-controller bench (e.g. SD off, SD at γ=2, SD at γ=4): "
+        + ",".join((*cal_mod.BENCH_COLUMNS, *cal_mod.BENCH_OPTIONAL_COLUMNS)),
+    )
     p.add_argument("--load-test", type=Path, help="load-test CSV: " + ",".join(cal_mod.LOAD_COLUMNS))
     p.add_argument(
         "--correct-with-load-test", action="store_true", help="scale each mode's step costs to fit the load test"
@@ -52,19 +58,19 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.moe_top_k <= args.moe_experts:
             raise InputError("--moe-top-k must be between 1 and --moe-experts")
         moe = cal_mod.MoeSpec(num_experts=args.moe_experts, top_k=args.moe_top_k)
-    rows, digest = cal_mod.read_bench_csv(args.bench_csv)
+    rows, digest = cal_mod.read_bench_csvs(args.bench_csv)
     load_rows, load_digest = (None, "")
     if args.load_test:
         load_rows, load_digest = cal_mod.read_load_csv(args.load_test)
     meta = cal_mod.Metadata(
         gpu=args.gpu, target_model=args.target_model, draft_model=args.draft_model,
         vllm_version=args.vllm_version, notes=args.notes,
-        source_file=args.bench_csv.name, source_sha256=digest,
+        source_file=",".join(p.name for p in args.bench_csv), source_sha256=digest,
         load_test_file=args.load_test.name if args.load_test else "", load_test_sha256=load_digest,
     )  # fmt: skip
     cal = cal_mod.calibrate(
         rows, warmup=args.warmup, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, moe=moe, load_rows=load_rows,
-        correct=args.correct_with_load_test, metadata=meta, where=str(args.bench_csv),
+        correct=args.correct_with_load_test, metadata=meta, where=",".join(map(str, args.bench_csv)),
     )  # fmt: skip
     cal_mod.save(cal, args.output)
     print_report(cal, Console(width=max(Console().width, 130)))
@@ -91,9 +97,9 @@ def print_report(cal: cal_mod.CalibrationFile, console: Console) -> None:
         "notes",
     ):
         table.add_column(col)
-    for name in ("prefill", "target", "draft", "verify"):
+    for name in ("target", "draft", "prefill", "verify"):
         spec = getattr(cal.phases, name)
-        fit = spec.fit
+        fit = spec.fit if spec is not None else None
         if fit is None:
             continue
         slope = spec.slope_s_per_token
@@ -114,6 +120,12 @@ def print_report(cal: cal_mod.CalibrationFile, console: Console) -> None:
         if not fit.segments:
             table.add_row(name, "-", "0", "-", "-", "0", "0", "0", "; ".join(fit.notes))
     console.print(table)
+    sv, unc = cal.serving, cal.uncertainty
+    console.print(
+        f"SD step overhead {cal.phases.sd_overhead_s * 1e3:.3f} ms; KV cache {sv.kv_cache_tokens_off or '-'} tokens"
+        f" (SD off) / {sv.kv_cache_tokens_on or '-'} (SD on); step-cost error ±{unc.relative_sd_off * 100:.1f} % off,"
+        f" ±{unc.relative_sd_on * 100:.1f} % on (1σ, carried to prediction intervals)"
+    )
     if cal.load_check:
         lc = cal.load_check
         console.print(

@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_DRAFT_LENGTHS),
         help="draft lengths searched for the best (default 1..16)",
     )
+    p.add_argument(
+        "--gen-tokens-std",
+        type=float,
+        help="standard deviation of generated tokens (default: equal to the mean, geometric lengths)",
+    )
     p.add_argument("--max-num-seqs", type=int, help="override the calibration's max_num_seqs")
     p.add_argument("--plot", type=Path, help="write speedup-vs-rate curves (PNG)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of tables")
@@ -95,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         rate = args.acceptance_rate
         alpha = float(alpha_from_vllm_rate(rate, args.measured_draft_length))
-    workload = Workload(args.prompt_tokens, args.gen_tokens)
+    if args.gen_tokens_std is not None and args.gen_tokens_std < 0:
+        raise InputError("--gen-tokens-std must be >= 0")
+    workload = Workload(args.prompt_tokens, args.gen_tokens, args.gen_tokens_std)
     report = build_report(model, alpha, workload, args.rates, args.draft_lengths, args.candidates)
     report["calibration"] = {"path": str(path), "example": cal.example}
     report["inputs"] = {
@@ -135,6 +142,9 @@ def build_report(
                 "rate_rps": r, "draft_length": g, "speedup": _num(p.speedup),
                 "accepted_length": p.accepted_length,
                 "latency_off_s": _num(p.latency_off_s), "latency_on_s": _num(p.latency_on_s),
+                "latency_off_interval_s": [_num(p.latency_off_lo_s), _num(p.latency_off_hi_s)],
+                "latency_on_interval_s": [_num(p.latency_on_lo_s), _num(p.latency_on_hi_s)],
+                "speedup_interval": [_num(p.speedup_lo), _num(p.speedup_hi)],
                 "batch_off": p.batch_off, "batch_on": p.batch_on,
                 "overloaded_off": p.overloaded_off, "overloaded_on": p.overloaded_on,
             })  # fmt: skip

@@ -221,23 +221,41 @@ class Engine:
         return self.epoch_s + self.t
 
     # ---------------------------------------------------------------------------- costs
-    def _prepare_costs(self) -> dict[str, StepCost]:
+    def _prepare_costs(self) -> dict[str, StepCost | None]:
         m = self.model
-        return {"prefill": m.prefill, "target": m.target, "verify": m.verify, "draft": m.draft}
+        return {"target": m.target, "verify": m.verify, "draft": m.draft, "prefill": m.prefill}
 
-    def _step_cost(self, batch: int, ctx_tokens: float, sd: SdConfig) -> tuple[float, float]:
+    def _scale(self, sd: SdConfig) -> float:
+        if sd.enabled:
+            return self.spec.cost_scale_on * self.model.scale_on
+        return self.spec.cost_scale_off * self.model.scale_off
+
+    def _step_cost(self, batch: float, ctx_tokens: float, sd: SdConfig) -> tuple[float, float]:
         """(seconds of one decode step without prefill, decode tokens in it)."""
         c = self._costs
         if sd.enabled:
             g = sd.draft_length
             x = batch * (g + 1)
-            t = g * c["draft"].scalar(batch, ctx_tokens) + c["verify"].scalar(x, ctx_tokens)
-            t *= self.spec.cost_scale_on * self.model.scale_on
+            whole = c["verify"] or c["target"]
+            t = g * c["draft"].scalar(batch, ctx_tokens) + whole.scalar(x, ctx_tokens) + self.model.sd_overhead_s
         else:
             x = batch
             t = c["target"].scalar(batch, ctx_tokens)
-            t *= self.spec.cost_scale_off * self.model.scale_off
-        return t, float(x)
+        return t * self._scale(sd), float(x)
+
+    def _chunk_cost(self, batch: float, decode_tokens: float, chunk_tokens: float, sd: SdConfig) -> float:
+        """Extra seconds a step pays for carrying ``chunk_tokens`` of prompt (the draft's too with SD)."""
+        c = self._costs
+        pre = c["prefill"]
+        if pre is not None:  # schema-1 calibration: the stand-alone prefill slope
+            extra = pre.slope_s_per_token * chunk_tokens
+        else:
+            t = c["target"]
+            extra = t.scalar(decode_tokens + chunk_tokens) - t.scalar(decode_tokens)
+            if sd.enabled and self.model.draft_prefills:
+                d = c["draft"]
+                extra += d.scalar(batch + chunk_tokens) - d.scalar(batch)
+        return extra * self._scale(sd)
 
     # ---------------------------------------------------------------------------- arrivals
     def _arrivals_for_tick(self, k: int):
@@ -424,11 +442,10 @@ class Engine:
         q = spec.cost_quadratic_s_per_token2
         pending = float(pf.sum())
         budget = max(float(spec.max_num_batched_tokens) - x, 16.0)
-        pre = self._costs["prefill"]
-        k_pf = pre.slope_s_per_token * (self.model.scale_on if sd.enabled else self.model.scale_off)
         tau0 = c_dec + q * x * x  # a step without prefill
         if pending > 0:
-            tau1 = c_dec + k_pf * budget + q * (x + budget) ** 2  # a step with a full prefill chunk
+            # a step with a full prefill chunk
+            tau1 = c_dec + self._chunk_cost(b_eff, x, budget, sd) + q * (x + budget) ** 2
             s1 = pending / budget
             n = s1 + (dt - s1 * tau1) / tau0 if s1 * tau1 <= dt else dt / tau1
         else:

@@ -1,0 +1,155 @@
+"""``sd-controller validate CAL.json LOAD.csv``: the calibration against a load test it never saw."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from controller import calibration as cal_mod
+from controller.commands._common import calibration_path, exits_on_input_error
+from controller.validation import ValidationReport, validate
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("calibration", help="calibration JSON, or 'example' for the shipped example")
+    p.add_argument(
+        "load_csv",
+        type=Path,
+        help="load-test CSV (sd-controller bench --load-test): "
+        + ",".join((*cal_mod.LOAD_COLUMNS, *cal_mod.LOAD_OPTIONAL_COLUMNS)),
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+    p.add_argument("--plot", type=Path, help="write predicted vs measured latency per mode (PNG)")
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else x
+
+
+def to_dict(report: ValidationReport) -> dict[str, Any]:
+    """JSON-safe report (+inf predictions become null with overloaded = true)."""
+    return {
+        "mean_abs_error": report.mean_abs_error,
+        "worst_abs_error": report.worst_abs_error,
+        "saturated_all_flagged": report.saturated_all_flagged,
+        "rows": [
+            {
+                "line": c.row.line, "mode": c.mode, "rate_rps": c.row.rate, "measured_s": c.row.mean_e2e_s,
+                "measured_saturated": c.measured_saturated, "predicted_s": _num(c.predicted_s),
+                "predicted_interval_s": [_num(c.predicted_lo_s), _num(c.predicted_hi_s)],
+                "predicted_overloaded": c.predicted_overloaded, "error": c.error,
+            }
+            for c in report.rows
+        ],
+        "modes": [
+            {
+                "mode": m.mode, "runs": m.runs, "mean_abs_error": m.mean_abs_error, "worst_error": m.worst_error,
+                "saturated_runs": m.saturated_runs, "saturated_flagged": m.saturated_flagged,
+                "false_overloads": m.false_overloads, "limit_predicted_rps": _num(m.limit_predicted_rps),
+                "limit_measured_rps": list(m.limit_measured_rps), "limit_error": m.limit_error,
+            }
+            for m in report.modes
+        ],
+        "break_even": [
+            {"draft_length": b.draft_length, "predicted_rps": b.predicted_rps, "measured_rps": b.measured_rps, "error": b.error}
+            for b in report.break_even
+        ],
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f} %"
+
+
+def print_report(report: ValidationReport, console: Console) -> None:
+    t = Table(title="predicted vs measured mean end-to-end latency")
+    for col in ("line", "mode", "rate req/s", "measured s", "predicted s", "interval s", "error", "note"):
+        t.add_column(col, justify="right")
+    for c in report.rows:
+        note = []
+        if c.measured_saturated:
+            note.append("saturated" + (" (flagged)" if c.predicted_overloaded else " (NOT flagged)"))
+        elif c.predicted_overloaded:
+            note.append("predicted overloaded")
+        pred = "overloaded" if c.predicted_overloaded else f"{c.predicted_s:.3f}"
+        interval = "-" if math.isinf(c.predicted_hi_s) and math.isinf(c.predicted_lo_s) else f"{c.predicted_lo_s:.2f}-{c.predicted_hi_s:.2f}"
+        t.add_row(str(c.row.line), c.mode, f"{c.row.rate:g}", f"{c.row.mean_e2e_s:.3f}", pred, interval, _pct(c.error), ", ".join(note))
+    console.print(t)
+    m = Table(title="per mode (errors over runs that were not saturated)")
+    for col in ("mode", "runs", "mean |error|", "worst", "saturated flagged", "false overloads", "limit predicted", "limit measured", "limit error"):
+        m.add_column(col, justify="right")
+    for s in report.modes:
+        lo, hi = s.limit_measured_rps
+        measured = f"{'-' if lo is None else f'>{lo:g}'} / {'-' if hi is None else f'<{hi:g}'}"
+        m.add_row(
+            s.mode, str(s.runs), "-" if s.mean_abs_error is None else f"{s.mean_abs_error * 100:.1f} %", _pct(s.worst_error),
+            f"{s.saturated_flagged}/{s.saturated_runs}", str(s.false_overloads), f"{s.limit_predicted_rps:.2f}", measured,
+            _pct(s.limit_error),
+        )  # fmt: skip
+    console.print(m)
+    if report.break_even:
+        b = Table(title="break-even rate (speedup = 1)")
+        for col in ("γ", "predicted req/s", "measured req/s", "error"):
+            b.add_column(col, justify="right")
+        for be in report.break_even:
+            b.add_row(
+                str(be.draft_length),
+                "never" if be.predicted_rps is None else f"{be.predicted_rps:.2f}",
+                "not crossed" if be.measured_rps is None else f"{be.measured_rps:.2f}",
+                _pct(be.error),
+            )
+        console.print(b)
+    overall = report.mean_abs_error
+    console.print(
+        f"overall: mean |error| {'-' if overall is None else f'{overall * 100:.1f} %'}, worst "
+        f"{'-' if report.worst_abs_error is None else f'{report.worst_abs_error * 100:.1f} %'}; "
+        f"every saturated run flagged: {'yes' if report.saturated_all_flagged else 'NO'}"
+    )
+
+
+def plot(report: ValidationReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    modes = sorted({c.mode for c in report.rows})
+    for i, mode in enumerate(modes):
+        rows = sorted((c for c in report.rows if c.mode == mode), key=lambda c: c.row.rate)
+        color = f"C{i}"
+        ax.plot([c.row.rate for c in rows], [c.row.mean_e2e_s for c in rows], "o", color=color, label=f"{mode} measured")
+        pred = [(c.row.rate, c.predicted_s) for c in rows if math.isfinite(c.predicted_s)]
+        if pred:
+            ax.plot(*zip(*pred, strict=True), "-", color=color, label=f"{mode} predicted")
+    ax.set_xlabel("arrival rate (req/s)")
+    ax.set_ylabel("mean end-to-end latency (s)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@exits_on_input_error
+def run(args: argparse.Namespace) -> int:
+    cal = cal_mod.load(calibration_path(args.calibration))
+    rows, _ = cal_mod.read_load_csv(args.load_csv)
+    report = validate(cal.latency_model(), rows)
+    if args.plot:
+        plot(report, args.plot)
+    if args.json:
+        json.dump(to_dict(report), sys.stdout, indent=2, allow_nan=False)
+        print()
+    else:
+        print_report(report, Console(width=max(Console().width, 130)))
+        if args.plot:
+            print(f"wrote {args.plot}")
+    return 0

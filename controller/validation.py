@@ -1,0 +1,232 @@
+"""Validate a calibration against a load test it was not fitted on (pure).
+
+A load test is a set of constant-rate runs of the real (or simulated) server, each with its
+measured mean end-to-end latency and whether its queue kept growing (saturated). For every run
+the model predicts the same quantity at the same rate, acceptance and request shape. The
+report says per run how far off it is, per mode the mean and worst error over the runs that
+were not saturated, whether every saturated run was predicted overloaded, and where the
+measured and predicted stability limits and break-even rates are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.acceptance import alpha_from_vllm_rate
+from controller.calibration import LoadRow
+from controller.model import LatencyModel, Workload, break_even_rates, curves, predict_point
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """One load-test run next to its prediction."""
+
+    row: LoadRow
+    predicted_s: float  # +inf: the model calls it overloaded
+    predicted_lo_s: float
+    predicted_hi_s: float
+    error: float | None  # (predicted − measured) / measured; None when either side saturated
+
+    @property
+    def mode(self) -> str:
+        return f"on(γ={self.row.draft_length})" if self.row.sd else "off"
+
+    @property
+    def predicted_overloaded(self) -> bool:
+        return math.isinf(self.predicted_s)
+
+    @property
+    def measured_saturated(self) -> bool:
+        return bool(self.row.saturated)
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    mode: str
+    runs: int
+    mean_abs_error: float | None  # over runs neither measured saturated nor predicted overloaded
+    worst_error: float | None  # signed, the largest in magnitude
+    saturated_runs: int
+    saturated_flagged: int  # saturated runs the model called overloaded
+    false_overloads: int  # runs the model called overloaded that were not saturated
+    limit_predicted_rps: float
+    limit_measured_rps: tuple[float | None, float | None]  # (highest steady rate, lowest saturated rate)
+    limit_error: float | None  # relative distance of the prediction outside that bracket (0 inside)
+
+
+@dataclass(frozen=True)
+class BreakEvenCheck:
+    draft_length: int
+    predicted_rps: float | None  # None: SD predicted never below 1
+    measured_rps: float | None  # None: not crossed within the measured rates
+    error: float | None
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    rows: tuple[RowCheck, ...]
+    modes: tuple[ModeSummary, ...]
+    break_even: tuple[BreakEvenCheck, ...]
+
+    @property
+    def mean_abs_error(self) -> float | None:
+        errs = [abs(r.error) for r in self.rows if r.error is not None]
+        return sum(errs) / len(errs) if errs else None
+
+    @property
+    def worst_abs_error(self) -> float | None:
+        errs = [abs(r.error) for r in self.rows if r.error is not None]
+        return max(errs) if errs else None
+
+    @property
+    def saturated_all_flagged(self) -> bool:
+        return all(r.predicted_overloaded for r in self.rows if r.measured_saturated)
+
+
+def _alpha(row: LoadRow) -> float:
+    return float(alpha_from_vllm_rate(row.acceptance_rate, max(row.draft_length, 1))) if row.sd else 0.0
+
+
+def _workload(row: LoadRow) -> Workload:
+    return Workload(row.mean_prompt_tokens, row.mean_gen_tokens, row.gen_tokens_std)
+
+
+def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
+    gamma = row.draft_length if row.sd else 1
+    p = predict_point(model, row.rate, _alpha(row) if row.sd else 0.5, gamma, _workload(row))
+    if row.sd:
+        pred, lo, hi = p.latency_on_s, p.latency_on_lo_s, p.latency_on_hi_s
+    else:
+        pred, lo, hi = p.latency_off_s, p.latency_off_lo_s, p.latency_off_hi_s
+    error = None
+    if not row.saturated and math.isfinite(pred) and row.mean_e2e_s > 0:
+        error = (pred - row.mean_e2e_s) / row.mean_e2e_s
+    return RowCheck(row, pred, lo, hi, error)
+
+
+def _curve_key(row: LoadRow) -> tuple[bool, int]:
+    return (row.sd, row.draft_length if row.sd else 0)
+
+
+def _limit_bracket(checks: Sequence[RowCheck]) -> tuple[float | None, float | None]:
+    steady = [c.row.rate for c in checks if not c.measured_saturated]
+    saturated = [c.row.rate for c in checks if c.measured_saturated]
+    return (max(steady) if steady else None, min(saturated) if saturated else None)
+
+
+def _limit_error(predicted: float, bracket: tuple[float | None, float | None]) -> float | None:
+    lo, hi = bracket
+    if lo is not None and predicted < lo:
+        return (predicted - lo) / lo
+    if hi is not None and predicted > hi:
+        return (predicted - hi) / hi
+    if lo is None and hi is None:
+        return None
+    return 0.0
+
+
+def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSummary]:
+    groups: dict[tuple[bool, int], list[RowCheck]] = defaultdict(list)
+    for c in checks:
+        groups[_curve_key(c.row)].append(c)
+    out = []
+    for (sd, gamma), group in sorted(groups.items()):
+        errs = [c.error for c in group if c.error is not None]
+        ref = group[0].row
+        off, on = curves(model, _alpha(ref) if sd else 0.5, gamma if sd else 1, _workload(_mean_row(group)))
+        limit = on.stability_limit_rps if sd else off.stability_limit_rps
+        bracket = _limit_bracket(group)
+        saturated = [c for c in group if c.measured_saturated]
+        out.append(
+            ModeSummary(
+                mode=group[0].mode,
+                runs=len(group),
+                mean_abs_error=sum(abs(e) for e in errs) / len(errs) if errs else None,
+                worst_error=max(errs, key=abs) if errs else None,
+                saturated_runs=len(saturated),
+                saturated_flagged=sum(c.predicted_overloaded for c in saturated),
+                false_overloads=sum(c.predicted_overloaded and not c.measured_saturated for c in group),
+                limit_predicted_rps=limit,
+                limit_measured_rps=bracket,
+                limit_error=_limit_error(limit, bracket) if (bracket[0] or bracket[1]) else None,
+            )
+        )
+    return out
+
+
+def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
+    """A representative run of a curve: mean request shape and acceptance over its runs."""
+    rows = [c.row for c in group]
+    n = len(rows)
+    stds = [r.gen_tokens_std for r in rows if r.gen_tokens_std is not None]
+    return LoadRow(
+        rate=0.0,
+        sd=rows[0].sd,
+        draft_length=rows[0].draft_length,
+        acceptance_rate=sum(r.acceptance_rate for r in rows) / n,
+        mean_e2e_s=1.0,
+        mean_prompt_tokens=sum(r.mean_prompt_tokens for r in rows) / n,
+        mean_gen_tokens=sum(r.mean_gen_tokens for r in rows) / n,
+        line=0,
+        gen_tokens_std=sum(stds) / len(stds) if stds else None,
+    )
+
+
+def _measured_speedup(off: LoadRow, on: LoadRow) -> float:
+    if on.saturated and off.saturated:
+        return math.nan
+    if on.saturated:
+        return 0.0
+    if off.saturated:
+        return math.inf
+    return off.mean_e2e_s / on.mean_e2e_s
+
+
+def _measured_break_even(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """First rate where the measured speedup falls below 1 (linear between measured rates)."""
+    pairs = [(r, s) for r, s in sorted(pairs) if not math.isnan(s)]
+    if not pairs:
+        return None
+    if pairs[0][1] < 1.0:
+        return pairs[0][0]
+    for (r0, s0), (r1, s1) in itertools.pairwise(pairs):
+        if s1 < 1.0 <= s0:
+            if math.isinf(s0):
+                return r1
+            return r0 + (s0 - 1.0) / (s0 - s1) * (r1 - r0)
+    return None
+
+
+def _break_evens(model: LatencyModel, checks: Sequence[RowCheck]) -> list[BreakEvenCheck]:
+    off_by_rate = {round(c.row.rate, 9): c.row for c in checks if not c.row.sd}
+    on_groups: dict[int, list[RowCheck]] = defaultdict(list)
+    for c in checks:
+        if c.row.sd:
+            on_groups[c.row.draft_length].append(c)
+    out = []
+    for gamma, group in sorted(on_groups.items()):
+        pairs = [
+            (c.row.rate, _measured_speedup(off_by_rate[round(c.row.rate, 9)], c.row))
+            for c in group
+            if round(c.row.rate, 9) in off_by_rate
+        ]
+        if len(pairs) < 2:
+            continue
+        ref = _mean_row(group)
+        be = break_even_rates(model, _alpha(ref), gamma, _workload(ref), thresholds=(1.0,))[1.0]
+        measured = _measured_break_even(pairs)
+        error = None
+        if be.rate_rps is not None and measured is not None and measured > 0:
+            error = (be.rate_rps - measured) / measured
+        out.append(BreakEvenCheck(gamma, be.rate_rps, measured, error))
+    return out
+
+
+def validate(model: LatencyModel, rows: Sequence[LoadRow]) -> ValidationReport:
+    """Check every load-test run, then summarize per mode and per draft length."""
+    checks = [check_row(model, r) for r in rows]
+    return ValidationReport(tuple(checks), tuple(_summaries(model, checks)), tuple(_break_evens(model, checks)))
