@@ -61,6 +61,9 @@ def test_lone_request_is_one_prefill_step_plus_decode_steps():
 def test_lone_sd_request_verifies_once_per_step_after_prefill():
     spec = ServerSpec(draft=D, draft_length=4, noise_sigma=0.0)
     res = run(spec, [0.0], [300], [200], alpha=0.0)  # nothing accepted: one token per verify
+    # The draft model prefills the prompt too.
+    prompt_s = [g.forward_time_s(m, GPU, g.Seqs(np.array([300]), np.array([0]))) for m in (T, D)]
+    assert res.first_token_s[0] > sum(prompt_s)
     assert res.steps == 200 and res.num_drafts == 199 and res.num_accepted_tokens == 0
     assert res.num_draft_tokens == 4 * 199
     # A verify step costs more than a plain decode step: target over γ+1 tokens plus the draft passes.
@@ -142,6 +145,8 @@ def test_latency_rises_with_rate_and_diverges_above_capacity():
         arr, prompt, gen = load(25, duration, seed=1)
         over.append(run(ServerSpec(), arr, prompt, gen).latency_s.mean())
     assert over[1] > 1.6 * over[0]  # a backlog that grows with time: mean latency ∝ duration
+    below = [run(ServerSpec(), *load(6, duration, seed=1)).latency_s.mean() for duration in (20, 60)]
+    assert below[1] < 1.2 * below[0]  # below capacity the latency does not grow with duration
 
 
 def test_guards():

@@ -6,7 +6,8 @@ Semantics follow ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
   a verify 1 + γ, a partial prefill the rest of its prompt), then — only if nobody was
   preempted — the waiting queue FCFS, chunking prompts into what is left of
   ``max_num_batched_tokens``, up to ``max_num_seqs`` running;
-* KV blocks (``block_size`` tokens) are allocated as tokens are scheduled; when a running
+* KV blocks (``block_size`` tokens) are allocated as tokens are scheduled (plus γ lookahead
+  slots for the next drafts, as ``allocate_slots(num_lookahead_tokens=γ)``); when a running
   request cannot get its blocks the most recently admitted running request is preempted
   (recompute: its KV is freed, it goes to the front of the waiting queue and later prefills
   its prompt plus what it already generated);
@@ -66,7 +67,7 @@ class ServerSpec:
     gpu_memory_utilization: float = 0.9
     kv_cache_tokens: int | None = None  # None: from gpu.kv_capacity_tokens
     noise_sigma: float = 0.02
-    acceptance: dict[str, AcceptanceClass] = field(default_factory=lambda: dict(DEFAULT_ACCEPTANCE))
+    acceptance: dict[str, AcceptanceClass] = field(default_factory=lambda: dict(DEFAULT_ACCEPTANCE), hash=False)
     rejection_overhead_s: float = 50e-6  # rejection sampler, per step with verifies
     max_steps: int = DEFAULT_MAX_STEPS
 
@@ -153,7 +154,8 @@ def simulate(
     bs = spec.block_size
     gamma = spec.gamma
     total_blocks = spec.kv_tokens() // bs
-    if n and int(_ceil_div(prompt + gen_total + gamma, bs).max()) > total_blocks:
+    # The most a request ever holds: all its tokens, a last verify's drafts and the lookahead.
+    if n and int(_ceil_div(prompt + gen_total + 2 * gamma, bs).max()) > total_blocks:
         raise ValueError(f"a request needs more KV than the cache holds ({total_blocks * bs} tokens)")
     budget_tokens = spec.max_num_batched_tokens
 
@@ -198,14 +200,14 @@ def simulate(
         want = remaining + spec_k
         before = np.cumsum(want) - want
         sched = np.clip(budget_tokens - before, 0, want)
-        need = np.maximum(_ceil_div(computed[r] + sched, bs) - blocks[r], 0)
+        need = np.maximum(_ceil_div(computed[r] + sched + gamma, bs) - blocks[r], 0)
         preempted = int(need.sum()) > free_blocks
         if not preempted:
             blocks[r] += need
             free_blocks -= int(need.sum())
         else:
             running, r, sched, free_blocks = _schedule_with_preemption(
-                r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget_tokens, bs
+                r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget_tokens, bs, gamma
             )
         keep = sched > 0
         r, sched = r[keep], sched[keep]
@@ -217,7 +219,7 @@ def simulate(
         while not preempted and waiting and budget > 0 and running.size + len(new_ids) < spec.max_num_seqs:
             rid = waiting[0]
             s = min(int(prompt[rid] + generated[rid] - computed[rid]), budget)
-            nb = _ceil_div(int(computed[rid]) + s, bs) - int(blocks[rid])
+            nb = _ceil_div(int(computed[rid]) + s + gamma, bs) - int(blocks[rid])
             if nb > free_blocks:
                 break
             waiting.popleft()
@@ -302,7 +304,9 @@ def simulate(
     )
 
 
-def _schedule_with_preemption(r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget, bs):
+def _schedule_with_preemption(
+    r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget, bs, lookahead
+):
     """The slow path of the running loop: allocate in order, preempting from the back (vLLM FCFS).
 
     Returns (running survivors, scheduled ids, their tokens, free blocks).
@@ -315,7 +319,7 @@ def _schedule_with_preemption(r, want, computed, blocks, has_drafts, preempt, wa
     while i < len(run) and budget > 0:
         rid = run[i]
         s = min(want_of[rid], budget)
-        need = max(_ceil_div(int(computed[rid]) + s, bs) - int(blocks[rid]), 0)
+        need = max(_ceil_div(int(computed[rid]) + s + lookahead, bs) - int(blocks[rid]), 0)
         self_preempted = False
         while need > free_blocks:
             victim = run.pop()
