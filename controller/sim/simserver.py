@@ -1,0 +1,75 @@
+"""The step simulation behind the :class:`controller.benchmark.probe.BenchServer` protocol.
+
+A benchmark reaches this server exactly as it reaches a real vLLM: it sends requests at
+offsets and times them, and scrapes cumulative spec-decode counters. Each probe runs a fresh
+virtual-time simulation from an idle engine (a real probe waits for the server to drain
+before it starts); only the counters persist between probes, like a server that stays up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from controller.benchmark.probe import ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
+from controller.sim.stepsim import ServerSpec, simulate
+
+
+class SimulatedServer:
+    """A simulated vLLM (virtual time, deterministic for a seed) implementing ``BenchServer``."""
+
+    def __init__(self, spec: ServerSpec, seed: int = 0) -> None:
+        self.spec = spec
+        self._rng = np.random.default_rng(seed)
+        self._drafts = 0
+        self._draft_tokens = 0
+        self._accepted = 0
+        self._kv_tokens = spec.kv_tokens()
+
+    def info(self) -> ServerInfo:
+        return ServerInfo(
+            draft_length=self.spec.gamma,
+            kv_cache_tokens=self._kv_tokens,
+            max_num_seqs=self.spec.max_num_seqs,
+            max_num_batched_tokens=self.spec.max_num_batched_tokens,
+        )
+
+    def counters(self) -> ServerCounters:
+        if not self.spec.sd_on:
+            return ServerCounters()
+        return ServerCounters(
+            accepted_tokens=float(self._accepted), draft_tokens=float(self._draft_tokens), drafts=float(self._drafts)
+        )
+
+    def probe(self, requests: Sequence[ProbeRequest]) -> list[ProbeResult]:
+        if not requests:
+            return []
+        for i, r in enumerate(requests):
+            if r.prompt_tokens < 1 or r.max_tokens < 1 or not r.send_at_s >= 0:
+                raise ProbeError(f"request {i}: prompt_tokens and max_tokens must be ≥ 1, send_at_s ≥ 0 (got {r})")
+        sent = np.array([r.send_at_s for r in requests], dtype=np.float64)
+        prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
+        gen = np.array([r.max_tokens for r in requests], dtype=np.int64)
+        alpha = np.empty(len(requests))
+        kinds = np.array([r.kind for r in requests])
+        for kind in sorted(set(kinds.tolist())):  # sorted: the draws must not depend on set order
+            idx = np.flatnonzero(kinds == kind)
+            alpha[idx] = self.spec.alpha_class(kind).draw(self._rng, idx.size)
+        try:
+            res = simulate(self.spec, sent, prompt, gen, alpha, self._rng)
+        except (ValueError, RuntimeError) as e:
+            raise ProbeError(f"simulated server: {e}") from e
+        self._drafts += res.num_drafts
+        self._draft_tokens += res.num_draft_tokens
+        self._accepted += res.num_accepted_tokens
+        return [
+            ProbeResult(
+                sent_s=float(res.arrival_s[i]),
+                first_token_s=float(res.first_token_s[i]),
+                done_s=float(res.finish_s[i]),
+                prompt_tokens=int(prompt[i]),
+                generated_tokens=int(res.generated_tokens[i]),
+            )
+            for i in range(len(requests))
+        ]

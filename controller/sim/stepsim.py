@@ -1,0 +1,344 @@
+"""A step-level simulation of a vLLM v1 engine: one scheduler step at a time, in virtual time.
+
+Semantics follow ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
+
+* each step first schedules the running requests in admission order (a decode needs 1 token,
+  a verify 1 + γ, a partial prefill the rest of its prompt), then — only if nobody was
+  preempted — the waiting queue FCFS, chunking prompts into what is left of
+  ``max_num_batched_tokens``, up to ``max_num_seqs`` running;
+* KV blocks (``block_size`` tokens) are allocated as tokens are scheduled (plus γ lookahead
+  slots for the next drafts, as ``allocate_slots(num_lookahead_tokens=γ)``); when a running
+  request cannot get its blocks the most recently admitted running request is preempted
+  (recompute: its KV is freed, it goes to the front of the waiting queue and later prefills
+  its prompt plus what it already generated);
+* the step in which a request's last uncomputed token is computed samples: one token, or for a
+  verify 1 + the leading accepted drafts (each accepted independently with the request's α);
+  the rejected drafts' KV positions are rolled back. With SD, every request that sampled gets
+  γ drafts for its next step.
+
+Costs come from :mod:`controller.sim.gpu` (the target's pass over all scheduled tokens, the
+draft's pass over the same tokens — it prefills every prompt too — then γ−1 single-token draft
+passes per sampling request, plus the rejection sampler), times lognormal noise per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from controller.sim import gpu as g
+
+DEFAULT_MAX_STEPS = 5_000_000
+
+
+@dataclass(frozen=True)
+class AcceptanceClass:
+    """Per-token draft acceptance α of one workload class: Beta with this mean, drawn per request."""
+
+    alpha_mean: float
+    concentration: float = 20.0  # a + b of the Beta: larger = requests closer to the mean
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        a = self.alpha_mean * self.concentration
+        return rng.beta(a, self.concentration - a, size=n)
+
+
+DEFAULT_ACCEPTANCE: dict[str, AcceptanceClass] = {
+    "chat": AcceptanceClass(0.7),
+    "code": AcceptanceClass(0.8),
+    "long_prompt": AcceptanceClass(0.75),
+    "": AcceptanceClass(0.7),  # requests without a kind
+}
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """A simulated vLLM deployment: models, GPU, speculative and scheduler config."""
+
+    target: g.ModelSpec = g.LLAMA_3_1_8B
+    draft: g.ModelSpec | None = None  # None: SD off
+    gpu: g.GpuSpec = g.H100_SXM
+    draft_length: int = 0  # γ; SD is on when a draft is set and γ > 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_tokens: int | None = None  # None: from gpu.kv_capacity_tokens
+    noise_sigma: float = 0.02
+    acceptance: dict[str, AcceptanceClass] = field(default_factory=lambda: dict(DEFAULT_ACCEPTANCE), hash=False)
+    rejection_overhead_s: float = 50e-6  # rejection sampler, per step with verifies
+    max_steps: int = DEFAULT_MAX_STEPS
+
+    @property
+    def sd_on(self) -> bool:
+        return self.draft is not None and self.draft_length > 0
+
+    @property
+    def gamma(self) -> int:
+        return self.draft_length if self.sd_on else 0
+
+    def kv_tokens(self) -> int:
+        if self.kv_cache_tokens is not None:
+            return int(self.kv_cache_tokens)
+        draft = self.draft if self.sd_on else None
+        return g.kv_capacity_tokens(self.gpu, self.target, draft, self.gpu_memory_utilization)
+
+    def alpha_class(self, kind: str) -> AcceptanceClass:
+        return self.acceptance.get(kind) or self.acceptance[""]
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Per-request accounting (arrays in input order, seconds of virtual time) and counters."""
+
+    arrival_s: np.ndarray
+    admitted_s: np.ndarray  # first scheduled
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    prompt_tokens: np.ndarray
+    generated_tokens: np.ndarray
+    preemptions: np.ndarray
+    steps: int
+    num_drafts: int  # verifies (sequences with drafts, summed over steps)
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: np.ndarray  # [γ]: verifies whose draft at position k was accepted
+    step_tokens: np.ndarray  # per step: scheduled tokens (target)
+    step_seqs: np.ndarray  # per step: scheduled sequences
+    step_s: np.ndarray  # per step: duration
+
+    @property
+    def latency_s(self) -> np.ndarray:
+        return self.finish_s - self.arrival_s
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def step_time_s(spec: ServerSpec, q, ctx, sampled, verify: bool, drafting: np.ndarray) -> float:
+    """Noise-free duration of one engine step (target pass, draft passes, rejection sampling)."""
+    t = g.forward_time_s(spec.target, spec.gpu, g.Seqs(q, ctx, sampled))
+    if spec.sd_on:
+        draft, gamma = spec.draft, spec.gamma
+        n_draft = int(drafting.sum())
+        t += g.forward_time_s(draft, spec.gpu, g.Seqs(q, ctx, drafting.astype(np.int64)), engine_step=False)
+        if gamma > 1 and n_draft:
+            one = np.ones(n_draft, dtype=np.int64)
+            t += (gamma - 1) * g.forward_time_s(draft, spec.gpu, g.Seqs(one, (ctx + q)[drafting]), engine_step=False)
+        if verify:
+            t += spec.rejection_overhead_s
+    return t
+
+
+def simulate(
+    spec: ServerSpec,
+    arrival_s: np.ndarray,
+    prompt_tokens: np.ndarray,
+    gen_tokens: np.ndarray,
+    alpha: np.ndarray,
+    rng: np.random.Generator,
+) -> SimResult:
+    """Serve these requests (each generates exactly ``gen_tokens``) from an idle engine at t=0."""
+    arrival = np.asarray(arrival_s, dtype=np.float64)
+    prompt = np.asarray(prompt_tokens, dtype=np.int64)
+    gen_total = np.asarray(gen_tokens, dtype=np.int64)
+    alpha = np.asarray(alpha, dtype=np.float64)
+    n = arrival.size
+    if not (prompt.size == gen_total.size == alpha.size == n):
+        raise ValueError("arrival_s, prompt_tokens, gen_tokens and alpha must have the same length")
+    if n and (prompt.min() < 1 or gen_total.min() < 1):
+        raise ValueError("prompt_tokens and gen_tokens must be ≥ 1")
+    bs = spec.block_size
+    gamma = spec.gamma
+    total_blocks = spec.kv_tokens() // bs
+    # The most a request ever holds: all its tokens, a last verify's drafts and the lookahead.
+    if n and int(_ceil_div(prompt + gen_total + 2 * gamma, bs).max()) > total_blocks:
+        raise ValueError(f"a request needs more KV than the cache holds ({total_blocks * bs} tokens)")
+    budget_tokens = spec.max_num_batched_tokens
+
+    computed = np.zeros(n, dtype=np.int64)  # tokens with KV (vLLM num_computed_tokens)
+    generated = np.zeros(n, dtype=np.int64)
+    blocks = np.zeros(n, dtype=np.int64)
+    has_drafts = np.zeros(n, dtype=bool)  # drafts were proposed for its next step
+    admitted = np.full(n, np.nan)
+    first_tok = np.full(n, np.nan)
+    finish = np.full(n, np.nan)
+    preempt = np.zeros(n, dtype=np.int64)
+    per_pos = np.zeros(gamma, dtype=np.int64)
+    drafts = draft_tokens = accepted_total = 0
+    log_tokens: list[int] = []
+    log_seqs: list[int] = []
+    log_s: list[float] = []
+
+    order = np.argsort(arrival, kind="stable")
+    arr_sorted = arrival[order]
+    next_arr = 0
+    waiting: deque[int] = deque()
+    running = np.empty(0, dtype=np.int64)  # request ids in admission order
+    free_blocks = total_blocks
+    done = 0
+    t = 0.0
+    steps = 0
+    while done < n:
+        if steps >= spec.max_steps:
+            raise RuntimeError(f"step simulation exceeded max_steps={spec.max_steps}")
+        j = int(np.searchsorted(arr_sorted, t, side="right"))
+        if j > next_arr:
+            waiting.extend(order[next_arr:j].tolist())
+            next_arr = j
+        if running.size == 0 and not waiting:
+            t = float(arr_sorted[next_arr])  # idle: jump to the next arrival
+            continue
+
+        # --- running requests, in admission order, within the token budget
+        r = running
+        remaining = prompt[r] + generated[r] - computed[r]
+        spec_k = np.where(has_drafts[r], gamma, 0)
+        want = remaining + spec_k
+        before = np.cumsum(want) - want
+        sched = np.clip(budget_tokens - before, 0, want)
+        need = np.maximum(_ceil_div(computed[r] + sched + gamma, bs) - blocks[r], 0)
+        preempted = int(need.sum()) > free_blocks
+        if not preempted:
+            blocks[r] += need
+            free_blocks -= int(need.sum())
+        else:
+            running, r, sched, free_blocks = _schedule_with_preemption(
+                r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget_tokens, bs, gamma
+            )
+        keep = sched > 0
+        r, sched = r[keep], sched[keep]
+        budget = budget_tokens - int(sched.sum())
+
+        # --- waiting requests, FCFS, only when nobody was preempted this step
+        new_ids: list[int] = []
+        new_sched: list[int] = []
+        while not preempted and waiting and budget > 0 and running.size + len(new_ids) < spec.max_num_seqs:
+            rid = waiting[0]
+            s = min(int(prompt[rid] + generated[rid] - computed[rid]), budget)
+            nb = _ceil_div(int(computed[rid]) + s + gamma, bs) - int(blocks[rid])
+            if nb > free_blocks:
+                break
+            waiting.popleft()
+            blocks[rid] += nb
+            free_blocks -= nb
+            budget -= s
+            new_ids.append(rid)
+            new_sched.append(s)
+            if np.isnan(admitted[rid]):
+                admitted[rid] = t
+        if new_ids:
+            ids = np.array(new_ids, dtype=np.int64)
+            r = np.concatenate([r, ids])
+            sched = np.concatenate([sched, np.array(new_sched, dtype=np.int64)])
+            running = np.concatenate([running, ids])
+        if r.size == 0:
+            raise RuntimeError("scheduler made no progress (KV cache too small?)")
+
+        # --- what the step computes and samples
+        ctx = computed[r]
+        n_tokens = prompt[r] + generated[r]
+        k_spec = np.where(has_drafts[r], gamma, 0)
+        k_spec = np.minimum(k_spec, np.maximum(ctx + sched - n_tokens, 0))  # drafts cut by the budget
+        samples = ctx + sched >= n_tokens
+        verify = samples & (k_spec > 0)
+        sampled = np.where(samples, 1 + k_spec, 0)
+        n_verify = int(verify.sum())
+        acc = np.zeros(r.size, dtype=np.int64)
+        if n_verify:
+            a = alpha[r[verify]]
+            kv = k_spec[verify]
+            hits = rng.random((n_verify, gamma)) < a[:, None]
+            hits &= np.arange(gamma)[None, :] < kv[:, None]
+            lead = np.cumprod(hits, axis=1)
+            acc[verify] = lead.sum(axis=1)
+            per_pos += lead.sum(axis=0)
+            drafts += n_verify
+            draft_tokens += int(kv.sum())
+            accepted_total += int(acc.sum())
+        emitted = np.where(samples, 1 + acc, 0)
+        emitted = np.minimum(emitted, gen_total[r] - generated[r])
+        drafting = samples & (generated[r] + emitted < gen_total[r]) if gamma else samples
+        dt = step_time_s(spec, sched, ctx, sampled, n_verify > 0, drafting)
+        dt *= g.lognormal_noise(rng, spec.noise_sigma)
+        t_end = t + dt
+
+        computed[r] = ctx + sched - np.where(verify, k_spec - acc, 0)  # roll back rejected drafts
+        first = (generated[r] == 0) & (emitted > 0)
+        first_tok[r[first]] = t_end
+        generated[r] += emitted
+        has_drafts[r] = drafting if gamma else False
+        fin = generated[r] >= gen_total[r]
+        if fin.any():
+            fid = r[fin]
+            finish[fid] = t_end
+            free_blocks += int(blocks[fid].sum())
+            blocks[fid] = 0
+            done += fid.size
+            running = running[~np.isin(running, fid)]
+        log_tokens.append(int(sched.sum()))
+        log_seqs.append(int(r.size))
+        log_s.append(dt)
+        t = t_end
+        steps += 1
+
+    return SimResult(
+        arrival_s=arrival,
+        admitted_s=admitted,
+        first_token_s=first_tok,
+        finish_s=finish,
+        prompt_tokens=prompt,
+        generated_tokens=generated,
+        preemptions=preempt,
+        steps=steps,
+        num_drafts=drafts,
+        num_draft_tokens=draft_tokens,
+        num_accepted_tokens=accepted_total,
+        accepted_per_pos=per_pos,
+        step_tokens=np.asarray(log_tokens, dtype=np.int64),
+        step_seqs=np.asarray(log_seqs, dtype=np.int64),
+        step_s=np.asarray(log_s),
+    )
+
+
+def _schedule_with_preemption(
+    r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget, bs, lookahead
+):
+    """The slow path of the running loop: allocate in order, preempting from the back (vLLM FCFS).
+
+    Returns (running survivors, scheduled ids, their tokens, free blocks).
+    """
+    run = r.tolist()
+    want_of = dict(zip(run, want.tolist(), strict=True))
+    out_ids: list[int] = []
+    out_sched: list[int] = []
+    i = 0
+    while i < len(run) and budget > 0:
+        rid = run[i]
+        s = min(want_of[rid], budget)
+        need = max(_ceil_div(int(computed[rid]) + s + lookahead, bs) - int(blocks[rid]), 0)
+        self_preempted = False
+        while need > free_blocks:
+            victim = run.pop()
+            free_blocks += int(blocks[victim])
+            blocks[victim] = 0
+            computed[victim] = 0
+            has_drafts[victim] = False
+            preempt[victim] += 1
+            waiting.appendleft(victim)
+            if victim == rid:
+                self_preempted = True
+                break
+        if self_preempted:
+            break
+        blocks[rid] += need
+        free_blocks -= need
+        budget -= s
+        out_ids.append(rid)
+        out_sched.append(s)
+        i += 1
+    survivors = np.array(run, dtype=np.int64)
+    return survivors, np.array(out_ids, dtype=np.int64), np.array(out_sched, dtype=np.int64), free_blocks

@@ -1,0 +1,79 @@
+"""Named workload mixes for load tests against the simulated server (the ground truth).
+
+Each class draws per-request prompt and generation lengths with real spread (lognormal
+prompts, gamma-distributed generations); its name is the request's ``kind``, which selects
+the draft acceptance α in :class:`controller.sim.stepsim.ServerSpec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.benchmark.probe import ProbeRequest
+
+
+@dataclass(frozen=True)
+class WorkloadClass:
+    """Length distributions of one kind of request (means in tokens)."""
+
+    kind: str
+    prompt_mean_tokens: float
+    prompt_sigma: float  # of log(prompt)
+    gen_mean_tokens: float
+    gen_shape: float  # gamma shape: 1 = exponential, larger = tighter
+    max_prompt_tokens: int = 16384
+    max_gen_tokens: int = 4096
+
+    def draw(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt_tokens, gen_tokens), integers ≥ 1."""
+        mu = np.log(self.prompt_mean_tokens) - 0.5 * self.prompt_sigma**2  # so the mean is the mean
+        prompt = np.rint(rng.lognormal(mu, self.prompt_sigma, n))
+        gen = np.rint(rng.gamma(self.gen_shape, self.gen_mean_tokens / self.gen_shape, n))
+        return (
+            np.clip(prompt, 1, self.max_prompt_tokens).astype(np.int64),
+            np.clip(gen, 1, self.max_gen_tokens).astype(np.int64),
+        )
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Workload classes with their shares of the requests."""
+
+    name: str
+    classes: tuple[tuple[WorkloadClass, float], ...]
+
+
+CHAT = WorkloadClass("chat", prompt_mean_tokens=900, prompt_sigma=0.6, gen_mean_tokens=280, gen_shape=2.0)
+CODE = WorkloadClass("code", prompt_mean_tokens=1000, prompt_sigma=0.5, gen_mean_tokens=300, gen_shape=2.5)
+LONG_PROMPT = WorkloadClass(
+    "long_prompt", prompt_mean_tokens=4000, prompt_sigma=0.4, gen_mean_tokens=200, gen_shape=2.0
+)
+
+MIXES: dict[str, Mix] = {
+    "chat": Mix("chat", ((CHAT, 1.0),)),
+    "code": Mix("code", ((CODE, 1.0),)),
+    "mixed": Mix("mixed", ((CHAT, 0.5), (CODE, 0.5))),
+    "long_prompt": Mix("long_prompt", ((LONG_PROMPT, 1.0),)),
+}
+
+
+def poisson_load(rate_rps: float, duration_s: float, mix: Mix | str, rng: np.random.Generator) -> list[ProbeRequest]:
+    """Constant-rate Poisson arrivals over ``duration_s``, each with its class's lengths and kind."""
+    if isinstance(mix, str):
+        mix = MIXES[mix]
+    n = int(rng.poisson(rate_rps * duration_s)) if rate_rps > 0 and duration_s > 0 else 0
+    send_s = np.sort(rng.uniform(0.0, duration_s, n))
+    weights = np.array([w for _, w in mix.classes], dtype=float)
+    which = rng.choice(len(mix.classes), size=n, p=weights / weights.sum())
+    prompt = np.empty(n, dtype=np.int64)
+    gen = np.empty(n, dtype=np.int64)
+    for i, (cls, _) in enumerate(mix.classes):
+        idx = np.flatnonzero(which == i)
+        prompt[idx], gen[idx] = cls.draw(rng, idx.size)
+    kinds = [mix.classes[i][0].kind for i in which.tolist()]
+    return [
+        ProbeRequest(send_at_s=float(s), prompt_tokens=int(p), max_tokens=int(m), kind=k)
+        for s, p, m, k in zip(send_s.tolist(), prompt.tolist(), gen.tolist(), kinds, strict=True)
+    ]
