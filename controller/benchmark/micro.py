@@ -12,7 +12,9 @@ never anything a real server would not show. Rows (``csvio.BenchRow``), per batc
   last first token, and it holds N − 1 steps with SD off; with SD a step yields 1 + accepted
   tokens, so steps per sequence = (B·(N − 1) − Δaccepted) / B from the server's own counter.
   Step time = window / steps; tokens_per_seq = 1 (target) or γ + 1 (verify); context_len =
-  P + N/2.
+  P + N/2. Bias with SD: tokens accepted in the last step past ``max_tokens`` are counted by
+  vLLM but not emitted, so the step count reads up to γ steps short per sequence at worst (less
+  than one on average) and the step time a few % high for short N: choose N ≫ γ.
 * ``mixed``: one engine step carrying B decoders plus one prefill chunk of C prompt tokens.
   Run A: B decoders alone (N₂ tokens) give the decode step τ. Run B: the same decoders plus M
   single requests (C-token prompt, ``max_tokens=1``) injected after the decoders' prefill and
