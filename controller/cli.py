@@ -33,8 +33,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run vLLM as a child process with an admin API to toggle SD",
     ),
     "bench": (
-        "controller.launcher.bench",
-        "micro-benchmark a running vLLM server into a calibration CSV",
+        "controller.benchmark.cli",
+        "micro-benchmark or load-test a running vLLM server into the CSVs calibrate reads",
     ),
     "demo": ("controller.sim.demo", "simulated day: the controller vs always-on and always-off"),
     "simulate": ("controller.sim.serve", "serve a simulated vLLM (/metrics + admin API) over HTTP"),

@@ -2,10 +2,17 @@
 
 The counters live in a :class:`~controller.sim.vllm_exposition.VllmCounters` snapshot that
 ``advance()`` replaces atomically, so a scrape never sees half an update.
+
+For the benchmark it also answers ``POST /tokenize`` and ``POST /v1/completions`` (plain or
+streamed as server-sent events, vLLM 0.32 shapes): a completion sleeps ``prefill_s``, then
+``step_s`` per decode step; with SD a step yields 1 + ``accept_per_step`` tokens and moves the
+spec-decode counters. ``cache_config`` = (num_gpu_blocks, block_size) adds
+``vllm:cache_config_info``; ``api_key`` makes the POST endpoints demand a bearer token.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +60,15 @@ class FakeVllmServer:
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
+        # The completion endpoints (tests set these directly).
+        self.cache_config: tuple[int, int] | None = None
+        self.api_key: str | None = None
+        self.prefill_s = 0.01
+        self.step_s = 0.002
+        self.accept_per_step = 0
+        self.short_by = 0  # generate this many tokens fewer than asked (a broken server)
+        self.max_model_len = 1024
+        self.completions: list[dict] = []  # request bodies, in arrival order
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -113,7 +129,40 @@ class FakeVllmServer:
         return self._counters
 
     def render(self) -> str:
-        return render(self._counters)
+        text = render(self._counters)
+        if self.cache_config is not None:
+            blocks, block_size = self.cache_config
+            text += (
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                "# TYPE vllm:cache_config_info gauge\n"
+                f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",engine="{self.engine}",'
+                f'num_cpu_blocks="None",num_gpu_blocks="{blocks}"}} 1.0\n'
+            )
+        return text
+
+    def generate(self, body: dict) -> tuple[list[int], int, int]:
+        """Time one completion (sleeping); returns the tokens per step, prompt and generated counts."""
+        n = int(body["max_tokens"])
+        prompt = body["prompt"]
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+        with self._lock:
+            self.completions.append(body)
+        sd = self.sd_enabled
+        per_step = 1 + (self.accept_per_step if sd else 0)
+        steps = [1]
+        while sum(steps) < n:
+            steps.append(min(per_step, n - sum(steps)))
+        steps[-1] -= min(self.short_by, steps[-1])
+        decode_steps = len(steps) - 1
+        if sd and decode_steps:
+            k = self.num_speculative_tokens
+            self.advance(
+                draft_tokens=k * decode_steps,
+                drafts=decode_steps,
+                accepted_tokens=sum(t - 1 for t in steps[1:]),
+            )
+        self.advance(requests=1, prompt_tokens=prompt_tokens, gen_tokens=sum(steps))
+        return steps, prompt_tokens, sum(steps)
 
     def advance(
         self,
@@ -244,6 +293,74 @@ def _handler_for(server: FakeVllmServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
+        def _json(self, status: int, obj: dict) -> None:
+            self._send(status, json.dumps(obj).encode(), "application/json")
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+            if server.api_key is not None and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                self._json(401, {"error": "Unauthorized"})
+                return
+            if self.path == "/tokenize":
+                words = str(body.get("prompt", "")).split()
+                ids = [100 + (sum(map(ord, w)) % 900) for w in words]
+                self._json(
+                    200, {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": None}
+                )
+                return
+            if self.path != "/v1/completions":
+                self._send(404, b"not found\n")
+                return
+            n = int(body.get("max_tokens", 16))
+            base = {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": server.model_name,
+            }
+            if not body.get("stream"):
+                steps, p, g = server.generate(body)
+                time.sleep(server.prefill_s + server.step_s * (len(steps) - 1))
+                choice = {
+                    "index": 0,
+                    "text": " x" * g,
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                }
+                usage = {
+                    "prompt_tokens": p,
+                    "total_tokens": p + g,
+                    "completion_tokens": g,
+                    "prompt_tokens_details": None,
+                }
+                self._json(200, {**base, "choices": [choice], "usage": usage})
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            steps, p, g = server.generate(body)
+            time.sleep(server.prefill_s)
+            for i, tokens in enumerate(steps):
+                if i:
+                    time.sleep(server.step_s)
+                last = i == len(steps) - 1
+                choice = {
+                    "index": 0, "text": " x" * tokens, "logprobs": None,
+                    "finish_reason": "length" if last and g >= n else None, "stop_reason": None,
+                }  # fmt: skip
+                self._chunk(b"data: " + json.dumps({**base, "choices": [choice], "usage": None}).encode() + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g}
+                self._chunk(b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode() + b"\n\n")
+            self._chunk(b"data: [DONE]\n\n")
+            self._chunk(b"")
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path not in ("/metrics", "/health"):
@@ -263,6 +380,6 @@ def _handler_for(server: FakeVllmServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, b"")
             else:
                 server.scrapes += 1
-                self._send(200, render(server.snapshot()).encode())
+                self._send(200, server.render().encode())
 
     return Handler

@@ -1,0 +1,150 @@
+"""The two CSV formats the benchmark writes, rendered as text and written atomically.
+
+Kept apart from the measurement so the column order (what ``calibrate`` reads) lives in one
+place, and a failed run never leaves half a file: the CLI renders every row first, then
+replaces the output in one rename (:func:`controller.atomic.write_bytes_atomic`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.atomic import write_bytes_atomic
+
+# The first six are the original micro-benchmark format; calibrate still reads 6-column files.
+BENCH_COLUMNS = (
+    "phase",
+    "batch_size",
+    "tokens_per_seq",
+    "context_len",
+    "iteration",
+    "latency_s",
+    "draft_length",
+    "chunk_tokens",
+)
+# The first seven are the original load-test format (calibrate's --load-test input).
+LOAD_COLUMNS = (
+    "rate",
+    "sd",
+    "draft_length",
+    "acceptance_rate",
+    "mean_e2e_s",
+    "mean_prompt_tokens",
+    "mean_gen_tokens",
+    "gen_tokens_std",
+    "prompt_tokens_std",
+    "duration_s",
+    "sent",
+    "completed",
+    "e2e_p50_s",
+    "e2e_p90_s",
+    "mean_e2e_first_half_s",
+    "mean_e2e_second_half_s",
+    "saturated",
+    "workload",
+)
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One micro-benchmark measurement (see :mod:`controller.benchmark.micro` for the phases)."""
+
+    phase: str
+    batch_size: int
+    tokens_per_seq: int
+    context_len: int
+    iteration: int
+    latency_s: float
+    draft_length: int = 0  # γ of the measured server; 0 = SD off
+    chunk_tokens: int = 0  # prompt tokens of the prefill chunk in a ``mixed`` step; else 0
+
+
+@dataclass(frozen=True)
+class LoadRow:
+    """One rate of a load test (see :mod:`controller.benchmark.loadtest`)."""
+
+    rate: float
+    sd: bool
+    draft_length: int
+    acceptance_rate: float | None  # None with SD off (written empty)
+    mean_e2e_s: float
+    mean_prompt_tokens: float
+    mean_gen_tokens: float
+    gen_tokens_std: float
+    prompt_tokens_std: float
+    duration_s: float
+    sent: int
+    completed: int
+    e2e_p50_s: float
+    e2e_p90_s: float
+    mean_e2e_first_half_s: float
+    mean_e2e_second_half_s: float
+    saturated: bool
+    workload: str
+
+
+def _render(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def bench_csv(rows: Sequence[BenchRow]) -> str:
+    """Header + rows; latency with 6 decimals."""
+    return _render(
+        BENCH_COLUMNS,
+        [
+            (
+                r.phase,
+                r.batch_size,
+                r.tokens_per_seq,
+                r.context_len,
+                r.iteration,
+                f"{r.latency_s:.6f}",
+                r.draft_length,
+                r.chunk_tokens,
+            )
+            for r in rows
+        ],
+    )
+
+
+def load_csv(rows: Sequence[LoadRow]) -> str:
+    """Header + rows; seconds with 6 decimals, token counts with 2, acceptance with 4 (empty when SD is off)."""
+    return _render(
+        LOAD_COLUMNS,
+        [
+            (
+                f"{r.rate:g}",
+                "on" if r.sd else "off",
+                r.draft_length,
+                "" if r.acceptance_rate is None else f"{r.acceptance_rate:.4f}",
+                f"{r.mean_e2e_s:.6f}",
+                f"{r.mean_prompt_tokens:.2f}",
+                f"{r.mean_gen_tokens:.2f}",
+                f"{r.gen_tokens_std:.2f}",
+                f"{r.prompt_tokens_std:.2f}",
+                f"{r.duration_s:g}",
+                r.sent,
+                r.completed,
+                f"{r.e2e_p50_s:.6f}",
+                f"{r.e2e_p90_s:.6f}",
+                f"{r.mean_e2e_first_half_s:.6f}",
+                f"{r.mean_e2e_second_half_s:.6f}",
+                1 if r.saturated else 0,
+                r.workload,
+            )
+            for r in rows
+        ],
+    )
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename (readers see the old file or the new one)."""
+    write_bytes_atomic(path, text.encode("utf-8"))

@@ -1,0 +1,178 @@
+"""The load test: whole-request latency at constant Poisson arrival rates, one CSV row per rate.
+
+Why: micro-benchmarks miss what only a busy server shows (mixed steps, queueing with variable
+lengths), so the calibrator checks and corrects its model against these rows. It uses only
+:class:`BenchServer` observables, so a real vLLM and a simulator are measured alike.
+
+A workload is any callable ``make_requests(rate_rps, duration_s, rng) -> list[ProbeRequest]``
+(:data:`MakeRequests`); :func:`lognormal_workload` is the built-in one, richer mixes plug in
+through the same signature.
+
+Per rate: means, spread and percentiles over requests sent after the warm-up (the first 10 %
+of the duration, while the queue fills). ``acceptance_rate`` is vLLM's definition, Δaccepted /
+Δdraft tokens over the whole run (the counters cannot be split at the warm-up), empty with SD
+off. ``saturated`` = 1 when some request finished later than duration + drain limit, or the
+mean e2e latency of the second half of the measured window exceeds 1.5× the first half's (the
+queue is still growing: the rate is at or past capacity and the means depend on the duration).
+Rates run in ascending order and stop after the first saturated one: a higher rate would only
+queue longer.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.benchmark.csvio import LoadRow
+from controller.benchmark.micro import check_results, check_sd_config
+from controller.benchmark.probe import BenchServer, ProbeError, ProbeRequest, ProbeResult
+
+MakeRequests = Callable[[float, float, random.Random], list[ProbeRequest]]
+
+WARMUP_FRACTION = 0.1
+SATURATION_GROWTH = 1.5  # second-half / first-half mean e2e above this: the queue is growing
+MAX_DURATION_S = 4 * 3600.0
+MAX_REQUESTS = 100_000
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    rates: tuple[float, ...]
+    duration_s: float
+    drain_s: float  # extra time after duration_s for the last requests to finish
+    workload: str  # a name for the CSV
+    seed: int = 0
+    max_requests: int = 20_000  # per rate
+
+
+def poisson_arrivals(rate_rps: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Send times of a Poisson process with ``rate_rps`` over [0, duration_s)."""
+    times, t = [], rng.expovariate(rate_rps)
+    while t < duration_s:
+        times.append(t)
+        t += rng.expovariate(rate_rps)
+    return times
+
+
+def lognormal_length(mean: float, cv: float, rng: random.Random) -> int:
+    """A length ≥ 1 with the given mean and coefficient of variation (cv 0: exactly the mean)."""
+    if cv <= 0:
+        return max(1, round(mean))
+    sigma2 = math.log1p(cv * cv)
+    return max(1, round(rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))))
+
+
+def lognormal_workload(
+    prompt_tokens: float, gen_tokens: float, length_cv: float, kind: str = "", max_total_tokens: int | None = None
+) -> MakeRequests:
+    """Poisson arrivals; prompt and generated lengths lognormal around their means."""
+
+    def make(rate_rps: float, duration_s: float, rng: random.Random) -> list[ProbeRequest]:
+        out = []
+        for t in poisson_arrivals(rate_rps, duration_s, rng):
+            p = lognormal_length(prompt_tokens, length_cv, rng)
+            g = lognormal_length(gen_tokens, length_cv, rng)
+            if max_total_tokens is not None and p + g > max_total_tokens:
+                g = min(g, max_total_tokens - 1)
+                p = max_total_tokens - g
+            out.append(ProbeRequest(t, p, g, kind))
+        return out
+
+    return make
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def summarize(
+    rate: float,
+    requests: Sequence[ProbeRequest],
+    results: Sequence[ProbeResult],
+    plan: LoadPlan,
+    draft_length: int,
+    acceptance_rate: float | None,
+) -> LoadRow:
+    """The CSV row of one rate from its requests' observables."""
+    warm_s = WARMUP_FRACTION * plan.duration_s
+    measured = [r for r in results if r.sent_s >= warm_s] or list(results)
+    e2e = [r.done_s - r.sent_s for r in measured]
+    mid_s = (warm_s + plan.duration_s) / 2
+    first = [r.done_s - r.sent_s for r in measured if r.sent_s < mid_s]
+    second = [r.done_s - r.sent_s for r in measured if r.sent_s >= mid_s]
+    deadline_s = plan.duration_s + plan.drain_s
+    completed = sum(1 for r in results if r.done_s <= deadline_s)
+    first_mean, second_mean = _mean(first), _mean(second)
+    growing = bool(first) and bool(second) and second_mean > SATURATION_GROWTH * first_mean
+    gen = [float(r.generated_tokens) for r in measured]
+    prompt = [float(r.prompt_tokens) for r in measured]
+    return LoadRow(
+        rate=rate,
+        sd=draft_length > 0,
+        draft_length=draft_length,
+        acceptance_rate=acceptance_rate,
+        mean_e2e_s=_mean(e2e),
+        mean_prompt_tokens=_mean(prompt),
+        mean_gen_tokens=_mean(gen),
+        gen_tokens_std=statistics.pstdev(gen) if gen else 0.0,
+        prompt_tokens_std=statistics.pstdev(prompt) if prompt else 0.0,
+        duration_s=plan.duration_s,
+        sent=len(requests),
+        completed=completed,
+        e2e_p50_s=float(np.percentile(e2e, 50)) if e2e else 0.0,
+        e2e_p90_s=float(np.percentile(e2e, 90)) if e2e else 0.0,
+        mean_e2e_first_half_s=first_mean,
+        mean_e2e_second_half_s=second_mean,
+        saturated=completed < len(results) or growing,
+        workload=plan.workload,
+    )
+
+
+def run_load(
+    server: BenchServer,
+    make_requests: MakeRequests,
+    plan: LoadPlan,
+    progress: Callable[[LoadRow], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> list[LoadRow]:
+    """One row per rate, ascending, up to and including the first saturated rate."""
+    if not 0 < plan.duration_s <= MAX_DURATION_S:
+        raise ProbeError(f"duration {plan.duration_s:g} s is outside (0, {MAX_DURATION_S:g}]")
+    info = check_sd_config(server)
+    gamma = info.draft_length
+    rows: list[LoadRow] = []
+    for index, rate in enumerate(sorted(plan.rates)):
+        rng = random.Random(f"{plan.seed}:{index}:{rate!r}")
+        requests = sorted(make_requests(rate, plan.duration_s, rng), key=lambda r: r.send_at_s)
+        if not requests:
+            raise ProbeError(f"rate {rate:g}: the workload produced no requests in {plan.duration_s:g} s")
+        if len(requests) > plan.max_requests:
+            raise ProbeError(f"rate {rate:g}: {len(requests)} requests exceed the limit {plan.max_requests}")
+        before = server.counters()
+        results = server.probe(requests)
+        check_results(requests, results)
+        after = server.counters()
+        acceptance = None
+        if gamma > 0:
+            if None in (before.accepted_tokens, before.draft_tokens, after.accepted_tokens, after.draft_tokens):
+                raise ProbeError("lost the spec-decode accepted/draft token counters")
+            drafted = after.draft_tokens - before.draft_tokens  # type: ignore[operator]
+            accepted = after.accepted_tokens - before.accepted_tokens  # type: ignore[operator]
+            if drafted <= 0:
+                raise ProbeError(f"rate {rate:g}: SD is on but no draft tokens were counted")
+            acceptance = min(max(accepted / drafted, 0.0), 1.0)
+        row = summarize(rate, requests, results, plan, gamma, acceptance)
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+        if row.saturated:
+            skipped = [r for r in sorted(plan.rates) if r > rate]
+            if skipped and warn is not None:
+                warn(f"rate {rate:g} saturated the server; skipping {', '.join(f'{r:g}' for r in skipped)}")
+            break
+    return rows

@@ -1,0 +1,256 @@
+"""The micro-benchmark: step costs of a server, measured only through :class:`BenchServer` observables.
+
+Why only observables: the same code must calibrate a real vLLM and a simulated one, so it may
+use send, first-token and done times, token counts, the spec-decode counters and ``info()``,
+never anything a real server would not show. Rows (``csvio.BenchRow``), per batch size B:
+
+* ``prefill``: B concurrent P-token prompts with ``max_tokens=1``: the batch's wall time
+  (last done − first sent). On an SD server it includes the draft model's prefill, so run it
+  against both servers: the difference is the draft's prefill cost.
+* ``target`` (SD off) / ``verify`` (SD on, γ = draft_length): B concurrent requests of N
+  tokens. The first token comes out of the prefill step, so the decode window is last done −
+  last first token, and it holds N − 1 steps with SD off; with SD a step yields 1 + accepted
+  tokens, so steps per sequence = (B·(N − 1) − Δaccepted) / B from the server's own counter.
+  Step time = window / steps; tokens_per_seq = 1 (target) or γ + 1 (verify); context_len =
+  P + N/2. Bias with SD: tokens accepted in the last step past ``max_tokens`` are counted by
+  vLLM but not emitted, so the step count reads up to γ steps short per sequence at worst (less
+  than one on average) and the step time a few % high for short N: choose N ≫ γ.
+* ``mixed``: one engine step carrying B decoders plus one prefill chunk of C prompt tokens.
+  Run A: B decoders alone (N₂ tokens) give the decode step τ. Run B: the same decoders plus M
+  single requests (C-token prompt, ``max_tokens=1``) injected after the decoders' prefill and
+  spaced several step times apart, so each lands in a step of its own. The decoders' window
+  grows by M chunk costs: extra = (window_B − steps_B·τ) / M and latency_s = τ + extra.
+  N₂ is chosen from a pilot run so the window covers every injection; an injection outside
+  the window is an error, not a silent bias. Cross-check (warning only): an injected request
+  waits ≈ τ/2 for the running step, then takes the mixed step.
+  Error sources: run-to-run drift of τ (the extra is a difference of two long windows, so
+  noise in τ is multiplied by the step count: use several iterations and the median); a chunk
+  larger than the server's token budget (max_num_batched_tokens − B·tokens_per_seq) is split
+  over steps, and the row then holds the whole C-token prefill cost, not one step; acceptance
+  differs between runs A and B (corrected by the counter delta of run B).
+* ``kv_cache`` (one row per server, when ``info()`` knows it): context_len = KV capacity in
+  tokens, batch_size = tokens_per_seq = 1, latency_s = 0.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from controller.benchmark.csvio import BenchRow
+from controller.benchmark.probe import BenchServer, ProbeError, ProbeRequest, ProbeResult, ServerInfo
+
+PHASES = ("prefill", "target", "verify", "mixed")
+DEFAULT_CHUNK_TOKENS = (128, 512, 1024, 2048)
+CROSS_CHECK_TOLERANCE = 0.25  # relative gap between the two mixed-step estimates that earns a warning
+
+Warn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class MicroPlan:
+    phases: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    prompt_tokens: int
+    gen_tokens: int
+    iterations: int
+    warmup: int = 0
+    chunk_tokens: tuple[int, ...] = DEFAULT_CHUNK_TOKENS
+    injections: int = 4  # M: injected chunk requests per mixed run
+    max_gen_tokens: int = 4096  # cap on the mixed decoders' length N₂
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """B decoders started together: their decode window and step time."""
+
+    step_s: float
+    steps_per_seq: float
+    first_token_max_s: float  # the decoders' prefill is over by then
+    done_min_s: float
+    window_s: float  # last done − last first token
+
+
+def check_sd_config(server: BenchServer) -> ServerInfo:
+    """``info()``, cross-checked with the counters: SD series present ⇔ draft_length > 0."""
+    info = server.info()
+    counters = server.counters()
+    has_sd = counters.accepted_tokens is not None or counters.drafts is not None
+    if has_sd and info.draft_length <= 0:
+        raise ProbeError("the server exports spec-decode counters (SD on) but draft_length is 0: pass --draft-length")
+    if not has_sd and info.draft_length > 0:
+        raise ProbeError(f"draft_length is {info.draft_length} but the server has no spec-decode counters: is SD on?")
+    return info
+
+
+def check_results(requests: Sequence[ProbeRequest], results: Sequence[ProbeResult]) -> None:
+    """Every request came back with exactly the asked-for token counts."""
+    if len(results) != len(requests):
+        raise ProbeError(f"sent {len(requests)} requests, got {len(results)} results")
+    for req, res in zip(requests, results, strict=True):
+        if res.generated_tokens != req.max_tokens or res.prompt_tokens != req.prompt_tokens:
+            raise ProbeError(
+                f"asked for {req.prompt_tokens}+{req.max_tokens} tokens, "
+                f"server reported {res.prompt_tokens}+{res.generated_tokens}"
+            )
+
+
+def accepted_now(server: BenchServer) -> float:
+    value = server.counters().accepted_tokens
+    if value is None:
+        raise ProbeError("lost the spec-decode accepted-tokens counter")
+    return value
+
+
+def steps_per_seq(gen_tokens: int, batch_size: int, draft_length: int, accepted_delta: float) -> float:
+    """Decode steps per sequence after the prefill step (which yields the first token)."""
+    if draft_length <= 0:
+        return float(gen_tokens - 1)
+    return (batch_size * (gen_tokens - 1) - accepted_delta) / batch_size
+
+
+def probe_checked(server: BenchServer, requests: Sequence[ProbeRequest]) -> list[ProbeResult]:
+    results = server.probe(requests)
+    check_results(requests, results)
+    return results
+
+
+def decoders(batch_size: int, prompt_tokens: int, gen_tokens: int) -> list[ProbeRequest]:
+    return [ProbeRequest(0.0, prompt_tokens, gen_tokens) for _ in range(batch_size)]
+
+
+def decode_window(results: Sequence[ProbeResult], steps: float) -> DecodeRun:
+    if steps <= 0:
+        raise ProbeError(f"no decode steps to divide by ({steps:g}): gen tokens too few for the accepted count")
+    first = max(r.first_token_s for r in results)
+    window = max(max(r.done_s for r in results) - first, 0.0)
+    return DecodeRun(window / steps, steps, first, min(r.done_s for r in results), window)
+
+
+def decode_run(server: BenchServer, batch: int, prompt_tokens: int, gen_tokens: int, gamma: int) -> DecodeRun:
+    before = accepted_now(server) if gamma > 0 else 0.0
+    results = probe_checked(server, decoders(batch, prompt_tokens, gen_tokens))
+    delta = accepted_now(server) - before if gamma > 0 else 0.0
+    return decode_window(results, steps_per_seq(gen_tokens, batch, gamma, delta))
+
+
+def prefill_latency_s(server: BenchServer, batch: int, prompt_tokens: int) -> float:
+    results = probe_checked(server, decoders(batch, prompt_tokens, 1))
+    return max(r.done_s for r in results) - min(r.sent_s for r in results)
+
+
+@dataclass(frozen=True)
+class MixedLayout:
+    """Where the injections go and how long the decoders must run to cover them."""
+
+    gen_tokens: int  # N₂
+    injections_at_s: tuple[float, ...]
+
+
+def mixed_layout(pilot: DecodeRun, gen_tokens: int, chunk_latency_s: float, plan: MicroPlan) -> MixedLayout:
+    """Injections after twice the decoders' prefill time, ``2·t_chunk + 3·τ`` apart (so each
+    finishes, at most one step late, before the next arrives); N₂ long enough for all plus one
+    spacing of tail."""
+    tau = pilot.step_s
+    if tau <= 0:
+        raise ProbeError("mixed: the pilot decode step took no time; cannot place injections")
+    tokens_per_step = (gen_tokens - 1) / pilot.steps_per_seq
+    start = 2 * pilot.first_token_max_s + 2 * tau
+    spacing = 2 * chunk_latency_s + 3 * tau
+    window = start + (plan.injections + 1) * spacing
+    n2 = max(gen_tokens, math.ceil(window / tau * tokens_per_step) + 1)
+    if n2 > plan.max_gen_tokens:
+        raise ProbeError(
+            f"mixed: decoders would need {n2} tokens (> {plan.max_gen_tokens}) to cover "
+            f"{plan.injections} injections of {chunk_latency_s:.3f} s chunks; use smaller --chunk-tokens"
+        )
+    return MixedLayout(n2, tuple(start + k * spacing for k in range(plan.injections)))
+
+
+def mixed_step_s(
+    server: BenchServer,
+    batch: int,
+    prompt_tokens: int,
+    chunk_tokens: int,
+    layout: MixedLayout,
+    gamma: int,
+    warn: Warn | None = None,
+) -> float:
+    """One mixed-step measurement: run A (decoders alone) then run B (with injections)."""
+    base = decode_run(server, batch, prompt_tokens, layout.gen_tokens, gamma)
+    dec = decoders(batch, prompt_tokens, layout.gen_tokens)
+    injected = [ProbeRequest(t, chunk_tokens, 1) for t in layout.injections_at_s]
+    before = accepted_now(server) if gamma > 0 else 0.0
+    results = probe_checked(server, dec + injected)
+    delta = accepted_now(server) - before if gamma > 0 else 0.0
+    dec_results, inj_results = results[:batch], results[batch:]
+    run = decode_window(dec_results, steps_per_seq(layout.gen_tokens, batch, gamma, delta))
+    for r in inj_results:
+        if r.sent_s < run.first_token_max_s or r.done_s > run.done_min_s:
+            raise ProbeError(
+                f"mixed: a {chunk_tokens}-token injection at {r.sent_s:.3f} s fell outside the decoders' "
+                f"window {run.first_token_max_s:.3f}–{run.done_min_s:.3f} s (server timing unstable?)"
+            )
+    extra_s = (run.window_s - run.steps_per_seq * base.step_s) / len(injected)
+    latency_s = base.step_s + extra_s
+    own_s = statistics.fmean(r.done_s - r.sent_s for r in inj_results) - base.step_s / 2
+    if warn is not None and abs(own_s - latency_s) > CROSS_CHECK_TOLERANCE * max(latency_s, 1e-9):
+        warn(
+            f"mixed B={batch} C={chunk_tokens}: step {latency_s * 1e3:.2f} ms from the decoders, "
+            f"{own_s * 1e3:.2f} ms from the injected requests"
+        )
+    return max(latency_s, 0.0)
+
+
+def run_micro(
+    server: BenchServer,
+    plan: MicroPlan,
+    progress: Callable[[int], None] | None = None,
+    warn: Warn | None = None,
+) -> list[BenchRow]:
+    """Every phase of ``plan`` against ``server``; warm-up iterations are run, not returned."""
+    info = check_sd_config(server)
+    gamma = info.draft_length
+    if "target" in plan.phases and gamma > 0:
+        raise ProbeError(f"phase target needs a server without SD (this one has draft_length {gamma}): use verify")
+    if "verify" in plan.phases and gamma <= 0:
+        raise ProbeError("phase verify needs a server with SD (draft_length > 0)")
+    decode_phase = next((p for p in plan.phases if p in ("target", "verify")), None)
+    tokens_per_seq = gamma + 1
+    context_len = plan.prompt_tokens + plan.gen_tokens // 2
+    rows: list[BenchRow] = []
+    for batch in plan.batch_sizes:
+        pilot: DecodeRun | None = None
+        for it in range(plan.warmup + plan.iterations):
+            recorded = it - plan.warmup
+            if "prefill" in plan.phases:
+                t = prefill_latency_s(server, batch, plan.prompt_tokens)
+                if recorded >= 0:
+                    rows.append(BenchRow("prefill", batch, plan.prompt_tokens, plan.prompt_tokens, recorded, t, gamma))
+            if decode_phase is not None:
+                pilot = decode_run(server, batch, plan.prompt_tokens, plan.gen_tokens, gamma)
+                if recorded >= 0:
+                    rows.append(
+                        BenchRow(decode_phase, batch, tokens_per_seq, context_len, recorded, pilot.step_s, gamma)
+                    )
+        if "mixed" in plan.phases:
+            if pilot is None:
+                pilot = decode_run(server, batch, plan.prompt_tokens, plan.gen_tokens, gamma)
+            for chunk in plan.chunk_tokens:
+                budget = info.max_num_batched_tokens
+                if warn is not None and budget is not None and chunk + batch * tokens_per_seq > budget:
+                    warn(f"mixed B={batch} C={chunk}: exceeds the token budget {budget}; the chunk spans steps")
+                single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
+                layout = mixed_layout(pilot, plan.gen_tokens, single.done_s - single.sent_s, plan)
+                for it in range(plan.warmup + plan.iterations):
+                    t = mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, gamma, warn)
+                    if it >= plan.warmup:
+                        ctx = plan.prompt_tokens + layout.gen_tokens // 2
+                        rows.append(BenchRow("mixed", batch, tokens_per_seq, ctx, it - plan.warmup, t, gamma, chunk))
+        if progress is not None:
+            progress(batch)
+    if info.kv_cache_tokens is not None:
+        rows.append(BenchRow("kv_cache", 1, 1, info.kv_cache_tokens, 0, 0.0, gamma))
+    return rows

@@ -1,0 +1,120 @@
+"""The load test against the virtual-time engine: warm-up, saturation both ways, acceptance from counter deltas."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from controller.benchmark import loadtest
+from controller.benchmark.csvio import LoadRow, load_csv
+from controller.benchmark.probe import ProbeError, ProbeRequest, ProbeResult
+from tests.support.fake_bench import Costs, FakeBenchServer
+
+# Slow enough that ~5 requests/s of 64 + 32 tokens fill it.
+SLOW = Costs(base_s=0.01, per_token_s=0.002, draft_pass_s=0.001, draft_per_prompt_token_s=0.0)
+FIXED = loadtest.lognormal_workload(64, 32, 0.0, kind="chat")
+
+
+def slow_server(**kw) -> FakeBenchServer:
+    return FakeBenchServer(costs=SLOW, token_budget=256, max_num_seqs=64, **kw)
+
+
+def plan(rates=(1.0,), duration_s=60.0, drain_s=30.0, **kw) -> loadtest.LoadPlan:
+    return loadtest.LoadPlan(tuple(rates), duration_s, drain_s, "chat", **kw)
+
+
+def test_light_load_is_not_saturated_and_excludes_the_warmup():
+    def make(rate, duration_s, rng):
+        # Long prompts during the warm-up only: the means must not see them.
+        return [
+            ProbeRequest(t, 500 if t < 0.1 * duration_s else 64, 32, "chat")
+            for t in loadtest.poisson_arrivals(rate, duration_s, rng)
+        ]
+
+    (row,) = loadtest.run_load(slow_server(), make, plan())
+    assert not row.saturated
+    assert row.sent == row.completed > 30
+    assert (row.mean_prompt_tokens, row.prompt_tokens_std, row.mean_gen_tokens) == (64, 0, 32)
+    assert (row.sd, row.draft_length, row.acceptance_rate) == (False, 0, None)
+    # One request alone: a prefill step and 31 decode steps; light load adds a little queueing.
+    alone = SLOW.step_s(64, 0, 0) + 31 * SLOW.step_s(0, 1, 0)
+    assert alone <= row.e2e_p50_s <= row.e2e_p90_s < 2 * alone
+    assert row.mean_e2e_second_half_s < 1.5 * row.mean_e2e_first_half_s
+
+
+def test_overload_is_saturated_and_stops_the_rates():
+    warnings: list[str] = []
+    rows = loadtest.run_load(
+        slow_server(), FIXED, plan(rates=(40, 1, 20), duration_s=30, drain_s=1e6), warn=warnings.append
+    )
+    assert [(r.rate, r.saturated) for r in rows] == [(1, False), (20, True)]
+    over = rows[1]
+    assert over.completed == over.sent  # the huge drain limit: only the growing queue says saturated
+    assert over.mean_e2e_second_half_s > 1.5 * over.mean_e2e_first_half_s  # the queue keeps growing
+    assert warnings == ["rate 20 saturated the server; skipping 40"]
+
+
+def test_requests_past_the_drain_limit_mean_saturated():
+    (row,) = loadtest.run_load(slow_server(), FIXED, plan(drain_s=0.0))
+    # Light load, so the halves agree; but the last requests end after duration + 0 s.
+    assert row.mean_e2e_second_half_s < 1.5 * row.mean_e2e_first_half_s
+    assert row.completed < row.sent
+    assert row.saturated
+
+
+def test_acceptance_is_the_counter_delta():
+    server = slow_server(draft_length=4, accepted_per_step=3)
+    server.accepted, server.draft_tokens, server.drafts = 5000.0, 6000.0, 1500.0  # earlier traffic
+    (row,) = loadtest.run_load(server, FIXED, plan())
+    assert (row.sd, row.draft_length) == (True, 4)
+    assert row.acceptance_rate == pytest.approx(3 / 4)
+
+
+def test_bad_workloads_and_servers_are_one_line_errors():
+    with pytest.raises(ProbeError, match="no requests"):
+        loadtest.run_load(FakeBenchServer(), lambda rate, d, rng: [], plan())
+    with pytest.raises(ProbeError, match="exceed the limit 10"):
+        loadtest.run_load(FakeBenchServer(), FIXED, plan(rates=(5,), max_requests=10))
+    with pytest.raises(ProbeError, match="HTTP 500"):
+        loadtest.run_load(FakeBenchServer(fail_after_probes=0), FIXED, plan())
+
+
+def test_workload_is_seeded_and_has_the_asked_spread():
+    make = loadtest.lognormal_workload(200, 100, 0.5)
+    a = make(10, 200, random.Random(1))
+    assert a == make(10, 200, random.Random(1))
+    assert 1800 < len(a) < 2200
+    gens = [r.max_tokens for r in a]
+    mean = sum(gens) / len(gens)
+    cv = (sum((g - mean) ** 2 for g in gens) / len(gens)) ** 0.5 / mean
+    assert mean == pytest.approx(100, rel=0.05) and cv == pytest.approx(0.5, rel=0.15)
+    capped = loadtest.lognormal_workload(200, 100, 2.0, max_total_tokens=256)(10, 100, random.Random(2))
+    assert all(r.prompt_tokens >= 1 and r.max_tokens >= 1 and r.prompt_tokens + r.max_tokens <= 256 for r in capped)
+
+
+def test_summarize_percentiles_and_halves():
+    p = plan(duration_s=100.0)
+    sends = [5.0, 20.0, 40.0, 60.0, 80.0]  # 5.0 is in the warm-up (first 10 s)
+    e2e = [50.0, 1.0, 2.0, 3.0, 4.0]
+    reqs = [ProbeRequest(t, 10, 20) for t in sends]
+    res = [ProbeResult(t, t + 0.1, t + d, 10, 20) for t, d in zip(sends, e2e, strict=True)]
+    row = loadtest.summarize(4.0, reqs, res, p, 0, None)
+    assert row.mean_e2e_s == pytest.approx(2.5)
+    assert (row.e2e_p50_s, row.e2e_p90_s) == (pytest.approx(2.5), pytest.approx(3.7))
+    # Halves of the measured window [10, 100): split at 55 s.
+    assert (row.mean_e2e_first_half_s, row.mean_e2e_second_half_s) == (1.5, 3.5)
+    assert row.saturated  # 3.5 > 1.5 × 1.5
+    assert (row.sent, row.completed) == (5, 5)
+
+
+def test_load_csv_keeps_the_old_columns_first():
+    row = LoadRow(2, True, 4, 0.61234, 1.5, 64, 32, 3.5, 10, 600, 1190, 1190, 1.4, 2.2, 1.45, 1.55, False, "chat")
+    off = LoadRow(8, False, 0, None, 9.0, 64, 32, 0, 0, 600, 4800, 4700, 8, 15, 5, 12, True, "chat")
+    assert load_csv([row, off]).splitlines() == [
+        "rate,sd,draft_length,acceptance_rate,mean_e2e_s,mean_prompt_tokens,mean_gen_tokens,"
+        "gen_tokens_std,prompt_tokens_std,duration_s,sent,completed,e2e_p50_s,e2e_p90_s,"
+        "mean_e2e_first_half_s,mean_e2e_second_half_s,saturated,workload",
+        "2,on,4,0.6123,1.500000,64.00,32.00,3.50,10.00,600,1190,1190,1.400000,2.200000,1.450000,1.550000,0,chat",
+        "8,off,0,,9.000000,64.00,32.00,0.00,0.00,600,4800,4700,8.000000,15.000000,5.000000,12.000000,1,chat",
+    ]

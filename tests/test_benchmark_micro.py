@@ -1,0 +1,148 @@
+"""The micro-benchmark recovers known step costs from a virtual-time engine (tests/support/fake_bench.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.benchmark import micro
+from controller.benchmark.csvio import BenchRow, bench_csv
+from controller.benchmark.probe import ProbeError
+from tests.support.fake_bench import Costs, FakeBenchServer
+
+COSTS = Costs()
+
+
+def plan(**kw) -> micro.MicroPlan:
+    defaults = dict(phases=("prefill", "target"), batch_sizes=(1, 4), prompt_tokens=64, gen_tokens=31, iterations=2)
+    return micro.MicroPlan(**{**defaults, **kw})
+
+
+def by_phase(rows, phase):
+    return [r for r in rows if r.phase == phase]
+
+
+def test_target_and_prefill_rows_are_the_step_costs():
+    rows = micro.run_micro(FakeBenchServer(), plan(warmup=1))
+    assert [(r.phase, r.batch_size, r.iteration) for r in rows] == [
+        ("prefill", 1, 0), ("target", 1, 0), ("prefill", 1, 1), ("target", 1, 1),
+        ("prefill", 4, 0), ("target", 4, 0), ("prefill", 4, 1), ("target", 4, 1),
+        ("kv_cache", 1, 0),
+    ]  # fmt: skip
+    for r in by_phase(rows, "target"):
+        assert (r.tokens_per_seq, r.context_len, r.draft_length, r.chunk_tokens) == (1, 64 + 15, 0, 0)
+        assert r.latency_s == pytest.approx(COSTS.step_s(0, r.batch_size, 0))
+    for r in by_phase(rows, "prefill"):
+        assert (r.tokens_per_seq, r.context_len) == (64, 64)
+        assert r.latency_s == pytest.approx(COSTS.step_s(64 * r.batch_size, 0, 0))
+
+
+def test_verify_divides_by_steps_from_the_accepted_counter():
+    # γ = 4, 2 accepted per step: 30 tokens after the prefill take 10 steps, not 30.
+    server = FakeBenchServer(draft_length=4, accepted_per_step=2)
+    rows = micro.run_micro(server, plan(phases=("prefill", "verify")))
+    verify = by_phase(rows, "verify")
+    assert len(verify) == 4
+    for r in verify:
+        assert (r.tokens_per_seq, r.draft_length) == (5, 4)
+        assert r.latency_s == pytest.approx(COSTS.step_s(0, r.batch_size, 4))
+    # Prefill on the SD server carries the draft model's prefill: more than on the SD-off server.
+    for r in by_phase(rows, "prefill"):
+        assert r.draft_length == 4
+        assert r.latency_s == pytest.approx(COSTS.step_s(64 * r.batch_size, 0, 4))
+        assert r.latency_s > COSTS.step_s(64 * r.batch_size, 0, 0)
+
+
+@pytest.mark.parametrize(("gamma", "accepted"), [(0, 0), (4, 2)])
+def test_mixed_recovers_the_chunk_step_cost(gamma, accepted):
+    server = FakeBenchServer(draft_length=gamma, accepted_per_step=accepted)
+    warnings: list[str] = []
+    rows = micro.run_micro(
+        server, plan(phases=("mixed",), batch_sizes=(1, 8), chunk_tokens=(128, 1024, 2048)), warn=warnings.append
+    )
+    mixed = by_phase(rows, "mixed")
+    assert sorted({(r.batch_size, r.chunk_tokens) for r in mixed}) == [
+        (1, 128), (1, 1024), (1, 2048), (8, 128), (8, 1024), (8, 2048),
+    ]  # fmt: skip
+    for r in mixed:
+        assert (r.tokens_per_seq, r.draft_length) == (gamma + 1, gamma)
+        assert r.context_len > 64
+        truth = COSTS.step_s(r.chunk_tokens, r.batch_size, gamma)
+        # SD: the counter-derived step count is short by the last step's overshoot past max_tokens
+        # (accepted but discarded tokens, counted as vLLM counts them): τ reads a few % high.
+        assert r.latency_s == pytest.approx(truth, rel=0.05 if gamma else 0.01), (r, truth)
+        # The chunk's marginal cost is what matters: it must not be mistaken for a plain decode step.
+        assert r.latency_s - COSTS.step_s(0, r.batch_size, gamma) == pytest.approx(
+            truth - COSTS.step_s(0, r.batch_size, gamma), rel=0.1
+        )
+    assert warnings == []
+
+
+def test_mixed_warns_when_the_chunk_exceeds_the_token_budget():
+    server = FakeBenchServer(token_budget=512)
+    warnings: list[str] = []
+    rows = micro.run_micro(
+        server, plan(phases=("mixed",), batch_sizes=(2,), chunk_tokens=(1024,)), warn=warnings.append
+    )
+    assert any("token budget 512" in w for w in warnings)
+    # Split over two steps, the decoders still step once per step: the row is τ plus the whole
+    # chunk's marginal cost, as if it had fitted in one step.
+    (r,) = {round(x.latency_s, 9) for x in by_phase(rows, "mixed")}
+    assert r == pytest.approx(COSTS.step_s(1024, 2, 0))
+
+
+def test_kv_cache_row_only_when_known():
+    rows = micro.run_micro(
+        FakeBenchServer(draft_length=2, accepted_per_step=1, kv_cache_tokens=4096),
+        plan(phases=("prefill",), batch_sizes=(1,), iterations=1),
+    )
+    assert rows[-1] == BenchRow("kv_cache", 1, 1, 4096, 0, 0.0, 2, 0)
+    rows = micro.run_micro(
+        FakeBenchServer(kv_cache_tokens=None), plan(phases=("prefill",), batch_sizes=(1,), iterations=1)
+    )
+    assert [r.phase for r in rows] == ["prefill"]
+
+
+def test_phase_and_draft_length_must_match_the_server():
+    with pytest.raises(ProbeError, match="use verify"):
+        micro.run_micro(FakeBenchServer(draft_length=4, accepted_per_step=1), plan())
+    with pytest.raises(ProbeError, match="needs a server with SD"):
+        micro.run_micro(FakeBenchServer(), plan(phases=("verify",)))
+
+    class Lying(FakeBenchServer):
+        def counters(self):  # SD counters present, but the user said draft_length 0
+            return FakeBenchServer(draft_length=4).counters()
+
+    with pytest.raises(ProbeError, match="pass --draft-length"):
+        micro.run_micro(Lying(), plan(phases=("prefill",)))
+
+
+def test_short_generation_is_an_error():
+    with pytest.raises(ProbeError, match="server reported 64\\+0"):
+        micro.run_micro(FakeBenchServer(generate_short_by=1), plan())
+
+
+def test_a_failing_server_stops_the_run():
+    with pytest.raises(ProbeError, match="HTTP 500"):
+        micro.run_micro(FakeBenchServer(fail_after_probes=3), plan())
+
+
+def test_steps_per_seq_arithmetic():
+    assert micro.steps_per_seq(32, 4, 0, 0) == 31
+    # 4 sequences, 31 tokens each after prefill, 60 accepted in all: 31 - 15 = 16 steps each.
+    assert micro.steps_per_seq(32, 4, 4, 60) == 16
+
+
+def test_bench_csv_has_exact_columns():
+    rows = [
+        BenchRow("prefill", 2, 64, 64, 0, 0.1234567),
+        BenchRow("verify", 8, 5, 80, 13, 0.002, 4),
+        BenchRow("mixed", 8, 5, 96, 1, 0.05, 4, 512),
+        BenchRow("kv_cache", 1, 1, 100000, 0, 0.0, 4),
+    ]
+    assert bench_csv(rows).splitlines() == [
+        "phase,batch_size,tokens_per_seq,context_len,iteration,latency_s,draft_length,chunk_tokens",
+        "prefill,2,64,64,0,0.123457,0,0",
+        "verify,8,5,80,13,0.002000,4,0",
+        "mixed,8,5,96,1,0.050000,4,512",
+        "kv_cache,1,1,100000,0,0.000000,4,0",
+    ]
