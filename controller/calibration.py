@@ -88,6 +88,7 @@ class PhaseSpec(_Strict):
     intercept_s: float = Field(ge=0, le=60, description="load-independent cost of one pass")
     slope_s_per_token: float = Field(ge=0, le=1, description="cost per token in the pass")
     context_s_per_token: float = Field(default=0.0, ge=0, le=1, description="per KV token read")
+    seq_s: float = Field(default=0.0, ge=0, le=1, description="per sequence in the pass (sampling, scheduling)")
     knees: list[KneeSpec] = []
     fit: PhaseFit | None = None
 
@@ -108,6 +109,7 @@ class PhaseSpec(_Strict):
             tuple(k.at_tokens for k in knees),
             tuple(k.slope_delta_s_per_token for k in knees),
             self.context_s_per_token,
+            self.seq_s,
         )
 
 
@@ -519,9 +521,8 @@ def _nonneg_lstsq(
         active.remove(worst)
 
 
-# A row's passes: (count, tokens, KV tokens read) of one forward function, and whether the row
-# is a whole SD step (pays the fixed SD overhead once).
-Passes = tuple[tuple[float, float, float], ...]
+# A row's passes: (count, tokens, KV tokens read, sequences) of one forward function.
+Passes = tuple[tuple[float, float, float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -534,15 +535,17 @@ class _Sample:
     sd_step: bool = False
 
 
-def _prefill_passes(total_tokens: float, budget: int | None) -> Passes:
-    """A batch's prompts as chunks of at most ``budget`` tokens, one pass each."""
+def _prefill_passes(total_tokens: float, seqs: float, budget: int | None) -> Passes:
+    """A batch's prompts as chunks of at most ``budget`` tokens, one pass each (its sequences
+    spread over the chunks in proportion to their tokens)."""
     if budget is None or total_tokens <= budget:
-        return ((1.0, total_tokens, 0.0),)
+        return ((1.0, total_tokens, 0.0, seqs),)
     full = math.floor(total_tokens / budget)
     rest = total_tokens - full * budget
-    out = [(float(full), float(budget), 0.0)]
+    per_token = seqs / total_tokens
+    out = [(float(full), float(budget), 0.0, budget * per_token)]
     if rest > 0:
-        out.append((1.0, rest, 0.0))
+        out.append((1.0, rest, 0.0, rest * per_token))
     return tuple(out)
 
 
@@ -550,41 +553,58 @@ def target_passes(row: BenchRow, budget: int | None) -> Passes:
     """The target forward passes one bench row measured."""
     b, k, ctx = row.batch_size, row.tokens_per_seq, row.context_len
     if row.phase == "prefill":
-        return _prefill_passes(b * k, budget)
+        return _prefill_passes(b * k, b, budget)
     if row.phase == "mixed":
-        return ((1.0, b * k + row.chunk_tokens, b * ctx),)
-    return ((1.0, b * k, b * ctx),)  # target, verify
+        return ((1.0, b * k + row.chunk_tokens, b * ctx, b + 1.0),)
+    return ((1.0, b * k, b * ctx, float(b)),)  # target, verify
 
 
 def draft_passes(row: BenchRow, budget: int | None) -> Passes:
     """The draft passes inside one SD bench row (first pass carries any prompt chunk)."""
     b, gamma, ctx = row.batch_size, row.draft_length, row.context_len
     if row.phase == "prefill":
-        return _prefill_passes(b * row.tokens_per_seq, budget)
+        return _prefill_passes(b * row.tokens_per_seq, b, budget)
     if row.phase == "mixed":
-        return ((1.0, b + row.chunk_tokens, b * ctx), (gamma - 1.0, float(b), b * ctx))
+        return ((1.0, b + row.chunk_tokens, b * ctx, b + 1.0), (gamma - 1.0, float(b), b * ctx, float(b)))
     if row.phase == "draft":  # a direct measurement of one draft pass
-        return ((1.0, float(b * row.tokens_per_seq), b * ctx),)
-    return ((float(gamma), float(b), b * ctx),)  # verify
+        return ((1.0, float(b * row.tokens_per_seq), b * ctx, float(b)),)
+    return ((float(gamma), float(b), b * ctx, float(b)),)  # verify
 
 
-def _columns(samples: Sequence[_Sample], knee: float | None, use_ctx: bool, use_overhead: bool):
+@dataclass(frozen=True)
+class _Terms:
+    """Which terms a fit may use (each only when the data can tell it from the others)."""
+
+    context: bool
+    seq: bool
+    overhead: bool
+
+    @property
+    def count(self) -> int:
+        return 2 + int(self.context) + int(self.seq) + int(self.overhead)
+
+
+def _columns(samples: Sequence[_Sample], knees: Sequence[float], terms: _Terms) -> dict[str, np.ndarray]:
     n = len(samples)
     cols = {"intercept": np.zeros(n), "slope": np.zeros(n)}
-    if use_ctx:
+    if terms.context:
         cols["context"] = np.zeros(n)
-    if knee is not None:
-        cols["knee"] = np.zeros(n)
-    if use_overhead:
+    if terms.seq:
+        cols["seq"] = np.zeros(n)
+    for j in range(len(knees)):
+        cols[f"knee{j}"] = np.zeros(n)
+    if terms.overhead:
         cols["overhead"] = np.array([1.0 if s.sd_step else 0.0 for s in samples])
     for i, s in enumerate(samples):
-        for count, x, z in s.passes:
+        for count, x, z, q in s.passes:
             cols["intercept"][i] += count
             cols["slope"][i] += count * x
-            if use_ctx:
+            if terms.context:
                 cols["context"][i] += count * z
-            if knee is not None:
-                cols["knee"][i] += count * max(0.0, x - knee)
+            if terms.seq:
+                cols["seq"][i] += count * q
+            for j, k in enumerate(knees):
+                cols[f"knee{j}"][i] += count * max(0.0, x - k)
     return cols
 
 
@@ -596,20 +616,29 @@ class _PassFit:
     pred: np.ndarray
 
 
-def _fit_passes(samples: Sequence[_Sample], knee: float | None, use_ctx: bool, use_overhead: bool) -> _PassFit:
-    cols = _columns(samples, knee, use_ctx, use_overhead)
+def _fit_passes(samples: Sequence[_Sample], knees: Sequence[float], terms: _Terms) -> _PassFit:
+    knees = sorted(knees)
+    cols = _columns(samples, knees, terms)
     y = np.array([s.y for s in samples])
     w = np.array([s.weight for s in samples])
-    coef = _nonneg_lstsq(cols, y, free={"knee"}, weights=w)
-    if knee is not None and coef["slope"] + coef["knee"] < 0:
-        coef["knee"] = -coef["slope"]
+    coef = _nonneg_lstsq(cols, y, free={f"knee{j}" for j in range(len(knees))}, weights=w)
+    slope = coef["slope"]
+    for j in range(len(knees)):  # the slope past every knee must stay >= 0
+        if slope + coef[f"knee{j}"] < 0:
+            coef[f"knee{j}"] = -slope
+        slope += coef[f"knee{j}"]
     pred = sum(coef[k] * cols[k] for k in cols)
     sse = float(np.sum(((y - pred) * w) ** 2))
     spec = PhaseSpec(
         intercept_s=max(coef["intercept"], 0.0),
         slope_s_per_token=coef["slope"],
         context_s_per_token=coef.get("context", 0.0),
-        knees=[KneeSpec(at_tokens=knee, slope_delta_s_per_token=coef["knee"])] if knee and coef["knee"] != 0 else [],
+        seq_s=coef.get("seq", 0.0),
+        knees=[
+            KneeSpec(at_tokens=k, slope_delta_s_per_token=coef[f"knee{j}"])
+            for j, k in enumerate(knees)
+            if coef[f"knee{j}"] != 0
+        ],
     )
     return _PassFit(spec, max(coef.get("overhead", 0.0), 0.0), sse, pred)
 
@@ -620,56 +649,67 @@ def _bic(n: int, sse: float, params: int) -> float:
 
 def _step_tokens(samples: Sequence[_Sample]) -> np.ndarray:
     """Tokens of the largest pass of each sample (what a knee is placed against)."""
-    return np.array([max(x for _, x, _ in s.passes) for s in samples])
+    return np.array([max(p[1] for p in s.passes) for s in samples])
 
 
-def _robust_knee(
-    samples: Sequence[_Sample], use_ctx: bool, use_overhead: bool, base: _PassFit, params: int
-) -> tuple[_PassFit | None, str]:
-    """One knee, only where the data support it; (fit, note). None when no knee is kept.
+MAX_KNEES = 3
 
-    Candidates sit between measured step sizes with at least KNEE_MIN_SIDE distinct sizes on
-    each side; the best is refined by golden section between its neighbours and kept only when
-    it lowers the BIC by KNEE_MIN_BIC_GAIN and the error by KNEE_MIN_SSE_GAIN. Its interval is
-    where the profile likelihood stays within the 95 % χ² bound.
+
+def _add_knee(
+    samples: Sequence[_Sample], terms: _Terms, knees: list[float], base: _PassFit
+) -> tuple[_PassFit | None, float, str]:
+    """The best further knee, only where the data support it; (fit or None, knee, note).
+
+    Candidates sit between measured step sizes with at least KNEE_MIN_SIDE distinct sizes
+    between them and every other knee or end; the best is refined by golden section between its
+    neighbours and kept only when it lowers the BIC by KNEE_MIN_BIC_GAIN and the weighted error
+    by KNEE_MIN_SSE_GAIN. Its interval is where the profile likelihood stays within the 95 %
+    χ² bound (widened to the scan's resolution).
     """
     xs = np.unique(_step_tokens(samples))
     n = len(samples)
-    if xs.size < 2 * KNEE_MIN_SIDE:
-        return None, f"no knee tried: {xs.size} distinct step sizes (needs {2 * KNEE_MIN_SIDE})"
-    cands = [(float(a) + float(b)) / 2.0 for a, b in itertools.pairwise(xs)][KNEE_MIN_SIDE - 1 : -(KNEE_MIN_SIDE - 1)]
-    scans = [(_fit_passes(samples, k, use_ctx, use_overhead), k) for k in cands]
+    mids = [(float(a) + float(b)) / 2.0 for a, b in itertools.pairwise(xs)]
+
+    def room(k: float) -> bool:
+        edges = [-math.inf, *knees, math.inf]
+        lo = max(e for e in edges if e < k)
+        hi = min(e for e in edges if e > k)
+        return (
+            int(np.sum((xs < k) & (xs > lo))) >= KNEE_MIN_SIDE and int(np.sum((xs > k) & (xs < hi))) >= KNEE_MIN_SIDE
+        )
+
+    cands = [k for k in mids if room(k)]
+    if not cands:
+        return None, math.nan, f"no room for knee {len(knees) + 1} ({xs.size} distinct step sizes)"
+    scans = [(_fit_passes(samples, [*knees, k], terms), k) for k in cands]
     best, k_best = min(scans, key=lambda t: t[0].sse)
     i = cands.index(k_best)
-    lo = cands[i - 1] if i > 0 else float(xs[KNEE_MIN_SIDE - 1])
-    hi = cands[i + 1] if i + 1 < len(cands) else float(xs[-KNEE_MIN_SIDE])
+    a_, b_ = (cands[i - 1] if i > 0 else k_best), (cands[i + 1] if i + 1 < len(cands) else k_best)
     g = (math.sqrt(5) - 1) / 2
-    a_, b_ = lo, hi
-    for _ in range(30):
+    for _ in range(25 if b_ > a_ else 0):
         a, b = b_ - g * (b_ - a_), a_ + g * (b_ - a_)
-        if _fit_passes(samples, a, use_ctx, use_overhead).sse < _fit_passes(samples, b, use_ctx, use_overhead).sse:
+        if _fit_passes(samples, [*knees, a], terms).sse < _fit_passes(samples, [*knees, b], terms).sse:
             b_ = b
         else:
             a_ = a
-    refined = _fit_passes(samples, 0.5 * (a_ + b_), use_ctx, use_overhead)
+    refined = _fit_passes(samples, [*knees, 0.5 * (a_ + b_)], terms)
     if refined.sse < best.sse:
         best, k_best = refined, 0.5 * (a_ + b_)
+    params = terms.count + 2 * len(knees)
     gain_bic = _bic(n, base.sse, params) - _bic(n, best.sse, params + 2)
     gain_sse = 1.0 - best.sse / max(base.sse, 1e-300)
-    if not best.spec.knees or gain_bic < KNEE_MIN_BIC_GAIN or gain_sse < KNEE_MIN_SSE_GAIN:
-        return None, f"no knee: best at {k_best:.0f} tokens gains BIC {gain_bic:.1f}, error {gain_sse * 100:.0f} %"
-    # The interval reaches to the first scanned candidates outside the χ² bound: the scan's
-    # resolution is part of the uncertainty.
+    if len(best.spec.knees) <= len(knees) or gain_bic < KNEE_MIN_BIC_GAIN or gain_sse < KNEE_MIN_SSE_GAIN:
+        return None, k_best, f"no knee {len(knees) + 1}: best at {k_best:.0f} tokens gains BIC {gain_bic:.1f}, error {gain_sse * 100:.0f} %"
     inside = [j for j, (f, _) in enumerate(scans) if n * math.log(max(f.sse, 1e-300) / max(best.sse, 1e-300)) <= KNEE_LR_CHI2]
     j_lo, j_hi = (min(inside), max(inside)) if inside else (i, i)
-    interval = (
-        min(cands[max(j_lo - 1, 0)], k_best, float(xs[KNEE_MIN_SIDE - 1])) if j_lo == 0 else min(cands[j_lo - 1], k_best),
-        max(cands[min(j_hi + 1, len(cands) - 1)], k_best),
-    )
-    knee = best.spec.knees[0].model_copy(update={"interval_tokens": interval})
-    best = _PassFit(best.spec.model_copy(update={"knees": [knee]}), best.overhead_s, best.sse, best.pred)
+    interval = (min(cands[max(j_lo - 1, 0)], k_best), max(cands[min(j_hi + 1, len(cands) - 1)], k_best))
+    new_knees = [
+        kn.model_copy(update={"interval_tokens": interval}) if abs(kn.at_tokens - k_best) < 1e-9 else kn
+        for kn in best.spec.knees
+    ]
+    best = _PassFit(best.spec.model_copy(update={"knees": new_knees}), best.overhead_s, best.sse, best.pred)
     note = f"knee at {k_best:.0f} tokens per pass (95 % {interval[0]:.0f}-{interval[1]:.0f}; BIC -{gain_bic:.0f})"
-    return best, note
+    return best, k_best, note
 
 
 def _fit_report(samples: Sequence[_Sample], fit: _PassFit, measured: np.ndarray, notes: list[str]) -> PhaseFit:
@@ -704,24 +744,40 @@ def _fit_report(samples: Sequence[_Sample], fit: _PassFit, measured: np.ndarray,
     )
 
 
+def _independent(col: np.ndarray, others: Sequence[np.ndarray]) -> bool:
+    """Whether ``col`` varies in a way the other columns cannot reproduce."""
+    if np.ptp(col) <= 0:
+        return False
+    a = np.column_stack([np.ones_like(col), *others])
+    coef, *_ = np.linalg.lstsq(a, col, rcond=None)
+    resid = col - a @ coef
+    return float(np.sqrt(np.mean(resid**2))) > 1e-3 * float(np.sqrt(np.mean(col**2)))
+
+
 def _fit_function(
     samples: Sequence[_Sample], measured: np.ndarray, use_overhead: bool, allow_knee: bool, notes: list[str]
 ) -> tuple[PhaseSpec, float]:
     """Fit one forward function (target or draft) from its samples; (spec with fit, overhead)."""
-    z = np.array([sum(c * zz for c, _, zz in s.passes) for s in samples])
-    x = np.array([sum(c * xx for c, xx, _ in s.passes) for s in samples])
-    use_ctx = bool(np.ptp(z) > 0)
-    if use_ctx and z.size > 2 and np.ptp(x) > 0 and abs(np.corrcoef(x, z)[0, 1]) > 0.999:
-        use_ctx = False
+    x = np.array([sum(p[0] * p[1] for p in s.passes) for s in samples])
+    z = np.array([sum(p[0] * p[2] for p in s.passes) for s in samples])
+    q = np.array([sum(p[0] * p[3] for p in s.passes) for s in samples])
+    n_pass = np.array([sum(p[0] for p in s.passes) for s in samples])
+    use_ctx = _independent(z, [x, n_pass])
+    use_seq = _independent(q, [x, n_pass, *([z] if use_ctx else [])])
     if not use_ctx:
         notes.append("context term not identifiable (KV read does not vary independently of tokens); set to 0")
-    params = 2 + int(use_ctx) + int(use_overhead)
-    fit = _fit_passes(samples, None, use_ctx, use_overhead)
-    if allow_knee:
-        knee_fit, note = _robust_knee(samples, use_ctx, use_overhead, fit, params)
+    if not use_seq:
+        notes.append("per-sequence term not identifiable (sequences move with tokens); folded into the token slope")
+    terms = _Terms(use_ctx, use_seq, use_overhead)
+    fit = _fit_passes(samples, [], terms)
+    knees: list[float] = []
+    while allow_knee and len(knees) < MAX_KNEES:
+        knee_fit, k, note = _add_knee(samples, terms, knees, fit)
         notes.append(note)
-        if knee_fit is not None:
-            fit = knee_fit
+        if knee_fit is None:
+            break
+        fit = knee_fit
+        knees.append(k)
     report = _fit_report(samples, fit, measured, notes)
     return fit.spec.model_copy(update={"fit": report}), fit.overhead_s
 
@@ -755,7 +811,7 @@ def fit_target(rows: Sequence[BenchRow], budget: int | None, moe: Moe | None, wh
     for r in used:
         passes = target_passes(r, budget)
         if moe is not None:
-            passes = tuple((c, float(moe.effective_tokens(x)), z) for c, x, z in passes)
+            passes = tuple((c, float(moe.effective_tokens(x)), z, q) for c, x, z, q in passes)
         samples.append(_Sample(passes, r.latency_s, 1.0 / max(r.latency_s, 1e-9)))
     notes: list[str] = []
     if not any(r.phase == "mixed" for r in prompt):
@@ -777,7 +833,7 @@ def fit_draft(
     _require_batches(verify, "phase verify (SD steps, on the server with SD)", where)
     samples, measured = [], []
     for r in sd_rows:
-        known = 0.0 if r.phase == "draft" else sum(c * target.scalar(x, z) for c, x, z in target_passes(r, budget))
+        known = 0.0 if r.phase == "draft" else sum(c * target.scalar(x, z, q) for c, x, z, q in target_passes(r, budget))
         samples.append(
             _Sample(draft_passes(r, budget), r.latency_s - known, 1.0 / max(r.latency_s, 1e-9), r.phase in ("verify", "mixed"))
         )

@@ -53,9 +53,10 @@ PREFILL_WAIT_STEPS = 1.5  # half a step in flight + the prompt's own (mixed) ste
 class StepCost:
     """Cost in seconds of one forward pass.
 
-    ``t(x, z) = intercept_s + slope_s_per_token·x + Σ_j knee_slope_deltas[j]·max(0, x − knees_tokens[j])
-    + context_s_per_token·z``: continuous, piecewise linear in the pass's tokens ``x``, linear in
-    the KV tokens read ``z``.
+    ``t(x, z, s) = intercept_s + slope_s_per_token·x + Σ_j knee_slope_deltas[j]·max(0, x − knees_tokens[j])
+    + context_s_per_token·z + seq_s·s``: continuous, piecewise linear in the pass's tokens ``x``,
+    linear in the KV tokens read ``z`` and in the sequences ``s`` it carries (sampling and
+    scheduling are paid per sequence, so a decode token costs more than a prompt token).
     """
 
     intercept_s: float
@@ -63,25 +64,27 @@ class StepCost:
     knees_tokens: tuple[float, ...] = ()
     knee_slope_deltas: tuple[float, ...] = ()
     context_s_per_token: float = 0.0
+    seq_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.knees_tokens) != len(self.knee_slope_deltas):
             raise ValueError("knees_tokens and knee_slope_deltas must have the same length")
 
-    def __call__(self, tokens: ArrayLike, context_tokens: ArrayLike = 0.0) -> np.ndarray:
+    def __call__(self, tokens: ArrayLike, context_tokens: ArrayLike = 0.0, seqs: ArrayLike = 0.0) -> np.ndarray:
         x = np.asarray(tokens, dtype=float)
         t = self.intercept_s + self.slope_s_per_token * x
         for knee, delta in zip(self.knees_tokens, self.knee_slope_deltas, strict=True):
             t = t + delta * np.maximum(0.0, x - knee)
-        return t + self.context_s_per_token * np.asarray(context_tokens, dtype=float)
+        t = t + self.context_s_per_token * np.asarray(context_tokens, dtype=float)
+        return t + self.seq_s * np.asarray(seqs, dtype=float)
 
-    def scalar(self, tokens: float, context_tokens: float = 0.0) -> float:
+    def scalar(self, tokens: float, context_tokens: float = 0.0, seqs: float = 0.0) -> float:
         """Same as calling it, on plain floats (the fast path)."""
         t = self.intercept_s + self.slope_s_per_token * tokens
         for knee, delta in zip(self.knees_tokens, self.knee_slope_deltas, strict=True):
             if tokens > knee:
                 t += delta * (tokens - knee)
-        return t + self.context_s_per_token * context_tokens
+        return t + self.context_s_per_token * context_tokens + self.seq_s * seqs
 
     def scaled(self, factor: float) -> StepCost:
         return StepCost(
@@ -90,6 +93,7 @@ class StepCost:
             self.knees_tokens,
             tuple(d * factor for d in self.knee_slope_deltas),
             self.context_s_per_token * factor,
+            self.seq_s * factor,
         )
 
     @property
@@ -98,6 +102,7 @@ class StepCost:
             self.intercept_s == 0.0
             and self.slope_s_per_token == 0.0
             and self.context_s_per_token == 0.0
+            and self.seq_s == 0.0
             and not any(self.knee_slope_deltas)
         )
 
@@ -145,6 +150,7 @@ def _moe_in_tokens(cost: StepCost, moe: Moe, max_tokens: float) -> StepCost:
         tuple(float(x) for x in xs[1:-1]),
         tuple(float(d) for d in np.diff(slopes)),
         cost.context_s_per_token,
+        cost.seq_s,
     )
 
 
@@ -225,12 +231,13 @@ class _Linear:
         self.c1 = 0.0
         self.hinges: list[tuple[float, float]] = []
 
-    def add_pass(self, cost: StepCost, mult: float, per_seq: float, extra: float, ctx: float) -> None:
-        """Add ``mult`` passes of ``cost`` over ``per_seq·B + extra`` tokens reading ``B·ctx``."""
+    def add_pass(self, cost: StepCost, mult: float, per_seq: float, extra: float, ctx: float, seqs: float = 1.0) -> None:
+        """Add ``mult`` passes of ``cost`` over ``per_seq·B + extra`` tokens of ``seqs·B``
+        sequences reading ``B·ctx`` KV tokens."""
         if mult == 0.0:
             return
         self.c0 += mult * (cost.intercept_s + cost.slope_s_per_token * extra)
-        self.c1 += mult * (cost.slope_s_per_token * per_seq + cost.context_s_per_token * ctx)
+        self.c1 += mult * (cost.slope_s_per_token * per_seq + cost.context_s_per_token * ctx + cost.seq_s * seqs)
         for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
             w = mult * delta * per_seq
             if per_seq <= 0.0:  # the hinge does not move with B
@@ -299,11 +306,11 @@ def _mode_pieces(
             prompt.c0 += prefill.scalar(p, p) - prefill.intercept_s
         else:
             # The marginal cost of P prompt tokens on a step that already carries k·B tokens.
-            prompt.add_pass(target, 1.0, k, p, 0.0)
-            prompt.add_pass(target, -1.0, k, 0.0, 0.0)
+            prompt.add_pass(target, 1.0, k, p, 0.0, 0.0)
+            prompt.add_pass(target, -1.0, k, 0.0, 0.0, 0.0)
         if sd and model.draft_prefills and not draft.is_zero:
-            prompt.add_pass(draft, 1.0, 1.0, p, 0.0)
-            prompt.add_pass(draft, -1.0, 1.0, 0.0, 0.0)
+            prompt.add_pass(draft, 1.0, 1.0, p, 0.0, 0.0)
+            prompt.add_pass(draft, -1.0, 1.0, 0.0, 0.0, 0.0)
     steps = (g - 1.0) / accepted_length
     return step, prompt, steps, k
 

@@ -108,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-requests", type=int, default=20_000, help="load test: most requests per rate (default 20000)"
     )
+    parser.add_argument(
+        "--context-prompt-tokens",
+        help="comma list of further prompt lengths at which target/verify are repeated, so the KV-read cost"
+        " separates from the per-sequence cost (e.g. 2048)",
+    )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (default 120)")
     parser.add_argument("--api-key-env", help="env var holding vLLM's --api-key, if it has one")
     parser.add_argument("--seed", type=int, default=0)
@@ -125,6 +130,9 @@ def _micro_plan(args: argparse.Namespace) -> MicroPlan:
         iterations=args.iterations,
         warmup=args.warmup,
         chunk_tokens=tuple(parse_int_list(args.chunk_tokens, "--chunk-tokens")),
+        context_prompt_tokens=tuple(parse_int_list(args.context_prompt_tokens, "--context-prompt-tokens"))
+        if args.context_prompt_tokens
+        else (),
     )
     for name in ("prompt_tokens", "iterations"):
         if getattr(plan, name) < 1:

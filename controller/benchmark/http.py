@@ -189,7 +189,9 @@ class HttpServer:
                     break
                 if stop.is_set():
                     break
-                futures[i] = executor.submit(self._complete, prompts[i], requests_[i].max_tokens, start, stop)
+                futures[i] = executor.submit(
+                    self._complete, prompts[i], requests_[i].max_tokens, start, stop, requests_[i].trace
+                )
             done = {i: f.result() for i, f in futures.items()}  # raises the first failure, in send order
         finally:
             stop.set()  # after an error: send nothing more
@@ -198,14 +200,16 @@ class HttpServer:
             raise self._error(f"only {len(done)} of {len(requests_)} requests were sent")
         return [done[i] for i in range(len(requests_))]
 
-    def _complete(self, prompt: list[int], max_tokens: int, start: float, stop: threading.Event) -> ProbeResult:
+    def _complete(
+        self, prompt: list[int], max_tokens: int, start: float, stop: threading.Event, trace: bool = False
+    ) -> ProbeResult:
         try:
-            return self._stream(prompt, max_tokens, start)
+            return self._stream(prompt, max_tokens, start, trace)
         except BaseException:
             stop.set()
             raise
 
-    def _stream(self, prompt: list[int], max_tokens: int, start: float) -> ProbeResult:
+    def _stream(self, prompt: list[int], max_tokens: int, start: float, trace: bool = False) -> ProbeResult:
         url = self.url + "/v1/completions"
         body = {
             "model": self.model,
@@ -219,6 +223,7 @@ class HttpServer:
         sent_s = time.perf_counter() - start
         first_s: float | None = None
         usage: dict | None = None
+        times: list[float] = []
         try:
             with self._session().post(url, json=body, headers=self._headers, timeout=self.timeout_s, stream=True) as r:
                 if r.status_code != 200:
@@ -235,8 +240,12 @@ class HttpServer:
                         raise self._error(f"POST {url}: a stream chunk is not JSON") from None
                     if "error" in chunk:
                         raise self._error(f"POST {url}: error in stream: {chunk['error']}")
-                    if chunk.get("choices") and first_s is None:
-                        first_s = time.perf_counter() - start
+                    if chunk.get("choices"):
+                        now_s = time.perf_counter() - start
+                        if first_s is None:
+                            first_s = now_s
+                        if trace:
+                            times.append(now_s)
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                 done_s = time.perf_counter() - start
@@ -250,4 +259,4 @@ class HttpServer:
                 f"asked for {len(prompt)} prompt + {max_tokens} generated tokens, "
                 f"server reported {prompt_count} + {generated}"
             )
-        return ProbeResult(sent_s, first_s, done_s, prompt_count, generated)
+        return ProbeResult(sent_s, first_s, done_s, prompt_count, generated, tuple(times))

@@ -60,6 +60,9 @@ class MicroPlan:
     chunk_tokens: tuple[int, ...] = DEFAULT_CHUNK_TOKENS
     injections: int = 4  # M: injected chunk requests per mixed run
     max_gen_tokens: int = 4096  # cap on the mixed decoders' length N₂
+    # Further prompt lengths at which the decode phase is repeated: with one context only, the
+    # KV read per token cannot be told from the per-sequence cost (both grow with B).
+    context_prompt_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class DecodeRun:
     first_token_max_s: float  # the decoders' prefill is over by then
     done_min_s: float
     window_s: float  # last done − last first token
+    mean_duration_s: float  # mean over sequences of done − first token
 
 
 def check_sd_config(server: BenchServer) -> ServerInfo:
@@ -118,15 +122,43 @@ def probe_checked(server: BenchServer, requests: Sequence[ProbeRequest]) -> list
 
 
 def decoders(batch_size: int, prompt_tokens: int, gen_tokens: int) -> list[ProbeRequest]:
-    return [ProbeRequest(0.0, prompt_tokens, gen_tokens) for _ in range(batch_size)]
+    return [ProbeRequest(0.0, prompt_tokens, gen_tokens, trace=True) for _ in range(batch_size)]
+
+
+def traced_step_s(results: Sequence[ProbeResult], lo_s: float, hi_s: float) -> float | None:
+    """Mean step time while every decoder was decoding: the chunk intervals inside [lo, hi].
+
+    A streamed chunk is one engine step's output, so counting a sequence's chunks counts steps,
+    whatever its acceptance; steps in which other prompts were still prefilling (before the
+    last first token) or the batch was shrinking (after the first finish) are left out.
+    """
+    span = intervals = 0.0
+    for r in results:
+        inside = [t for t in r.token_times_s if lo_s - 1e-9 <= t <= hi_s + 1e-9]
+        if len(inside) >= 2:
+            span += inside[-1] - inside[0]
+            intervals += len(inside) - 1
+    return span / intervals if intervals > 0 else None
 
 
 def decode_window(results: Sequence[ProbeResult], steps: float) -> DecodeRun:
+    """Step time of a decode run: from the chunk trace where the server streams one, else from
+    the sequences' own decode durations.
+
+    With SD the sequences need different numbers of steps (each has its own acceptance), and
+    only the mean is known (from the counter): the mean duration over the mean step count is
+    unbiased, while the batch's whole window is set by its slowest sequence and would not be.
+    """
     if steps <= 0:
         raise ProbeError(f"no decode steps to divide by ({steps:g}): gen tokens too few for the accepted count")
     first = max(r.first_token_s for r in results)
+    last_start = min(r.done_s for r in results)
     window = max(max(r.done_s for r in results) - first, 0.0)
-    return DecodeRun(window / steps, steps, first, min(r.done_s for r in results), window)
+    mean_duration = statistics.fmean(max(r.done_s - r.first_token_s, 0.0) for r in results)
+    step = traced_step_s(results, first, last_start)
+    if step is None:
+        step = mean_duration / steps
+    return DecodeRun(step, steps, first, last_start, window, mean_duration)
 
 
 def decode_run(server: BenchServer, batch: int, prompt_tokens: int, gen_tokens: int, gamma: int) -> DecodeRun:
@@ -169,6 +201,31 @@ def mixed_layout(pilot: DecodeRun, gen_tokens: int, chunk_latency_s: float, plan
     return MixedLayout(n2, tuple(start + k * spacing for k in range(plan.injections)))
 
 
+def _traced_mixed_steps(
+    dec_results: Sequence[ProbeResult], inj_results: Sequence[ProbeResult], tau_s: float
+) -> float | None:
+    """Mean duration of the steps that carried an injected prompt, read off the chunk trace.
+
+    The injected request's only token comes out of the step that prefilled it, at the same
+    moment as the decoders' chunks of that step: the decoders' chunk interval ending there is
+    the mixed step. None when the trace does not show it (no trace, or no chunk lines up).
+    """
+    tolerance = 0.3 * tau_s
+    steps = []
+    for inj in inj_results:
+        gaps = []
+        for r in dec_results:
+            times = r.token_times_s
+            if len(times) < 2:
+                continue
+            j = min(range(len(times)), key=lambda k: abs(times[k] - inj.done_s))
+            if j > 0 and abs(times[j] - inj.done_s) <= tolerance:
+                gaps.append(times[j] - times[j - 1])
+        if gaps:
+            steps.append(statistics.median(gaps))
+    return statistics.fmean(steps) if len(steps) == len(inj_results) else None
+
+
 def mixed_step_s(
     server: BenchServer,
     batch: int,
@@ -193,8 +250,12 @@ def mixed_step_s(
                 f"mixed: a {chunk_tokens}-token injection at {r.sent_s:.3f} s fell outside the decoders' "
                 f"window {run.first_token_max_s:.3f}–{run.done_min_s:.3f} s (server timing unstable?)"
             )
-    extra_s = (run.window_s - run.steps_per_seq * base.step_s) / len(injected)
-    latency_s = base.step_s + extra_s
+    traced = _traced_mixed_steps(dec_results, inj_results, base.step_s)
+    if traced is not None:
+        latency_s = traced
+    else:
+        extra_s = (run.mean_duration_s - run.steps_per_seq * base.step_s) / len(injected)
+        latency_s = base.step_s + extra_s
     own_s = statistics.fmean(r.done_s - r.sent_s for r in inj_results) - base.step_s / 2
     if warn is not None and abs(own_s - latency_s) > CROSS_CHECK_TOLERANCE * max(latency_s, 1e-9):
         warn(
@@ -235,7 +296,17 @@ def run_micro(
                     rows.append(
                         BenchRow(decode_phase, batch, tokens_per_seq, context_len, recorded, pilot.step_s, gamma)
                     )
-        if "mixed" in plan.phases:
+        if decode_phase is not None:
+            for extra_p in plan.context_prompt_tokens:
+                for it in range(plan.warmup + plan.iterations):
+                    run = decode_run(server, batch, extra_p, plan.gen_tokens, gamma)
+                    if it >= plan.warmup:
+                        ctx = extra_p + plan.gen_tokens // 2
+                        rows.append(BenchRow(decode_phase, batch, tokens_per_seq, ctx, it - plan.warmup, run.step_s, gamma))
+        full = info.max_num_seqs is not None and batch >= info.max_num_seqs
+        if "mixed" in plan.phases and full and warn is not None:
+            warn(f"mixed B={batch}: no free slot for a prompt beside a full batch (max_num_seqs {info.max_num_seqs}); skipped")
+        if "mixed" in plan.phases and not full:
             if pilot is None:
                 pilot = decode_run(server, batch, plan.prompt_tokens, plan.gen_tokens, gamma)
             for chunk in plan.chunk_tokens:

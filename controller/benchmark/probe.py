@@ -24,6 +24,9 @@ class ProbeRequest:
     # Workload class of the content ("chat", "code", ...): a real server's acceptance depends on
     # what the text is; the HTTP server picks its prompt text by it, a simulator its acceptance.
     kind: str = ""
+    # Report when each streamed chunk (one engine step's output) arrived: lets a benchmark
+    # count steps and time them directly instead of inferring them from totals.
+    trace: bool = False
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class ProbeResult:
     done_s: float
     prompt_tokens: int
     generated_tokens: int
+    token_times_s: tuple[float, ...] = ()  # arrival of each output chunk (traced requests only)
 
 
 @dataclass(frozen=True)

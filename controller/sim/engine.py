@@ -237,10 +237,10 @@ class Engine:
             g = sd.draft_length
             x = batch * (g + 1)
             whole = c["verify"] or c["target"]
-            t = g * c["draft"].scalar(batch, ctx_tokens) + whole.scalar(x, ctx_tokens) + self.model.sd_overhead_s
+            t = g * c["draft"].scalar(batch, ctx_tokens, batch) + whole.scalar(x, ctx_tokens, batch) + self.model.sd_overhead_s
         else:
             x = batch
-            t = c["target"].scalar(batch, ctx_tokens)
+            t = c["target"].scalar(batch, ctx_tokens, batch)
         return t * self._scale(sd), float(x)
 
     def _chunk_cost(self, batch: float, decode_tokens: float, chunk_tokens: float, sd: SdConfig) -> float:

@@ -57,7 +57,8 @@ class SimulatedServer:
             idx = np.flatnonzero(kinds == kind)
             alpha[idx] = self.spec.alpha_class(kind).draw(self._rng, idx.size)
         try:
-            res = simulate(self.spec, sent, prompt, gen, alpha, self._rng)
+            trace = np.array([r.trace for r in requests], dtype=bool)
+            res = simulate(self.spec, sent, prompt, gen, alpha, self._rng, trace if trace.any() else None)
         except (ValueError, RuntimeError) as e:
             raise ProbeError(f"simulated server: {e}") from e
         self._drafts += res.num_drafts
@@ -70,6 +71,7 @@ class SimulatedServer:
                 done_s=float(res.finish_s[i]),
                 prompt_tokens=int(prompt[i]),
                 generated_tokens=int(res.generated_tokens[i]),
+                token_times_s=tuple(res.token_times.get(i, ())) if res.token_times else (),
             )
             for i in range(len(requests))
         ]

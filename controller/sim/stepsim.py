@@ -108,6 +108,7 @@ class SimResult:
     step_tokens: np.ndarray  # per step: scheduled tokens (target)
     step_seqs: np.ndarray  # per step: scheduled sequences
     step_s: np.ndarray  # per step: duration
+    token_times: dict[int, list[float]] | None = None  # traced requests: end of each step that emitted
 
     @property
     def latency_s(self) -> np.ndarray:
@@ -140,6 +141,7 @@ def simulate(
     gen_tokens: np.ndarray,
     alpha: np.ndarray,
     rng: np.random.Generator,
+    trace: np.ndarray | None = None,
 ) -> SimResult:
     """Serve these requests (each generates exactly ``gen_tokens``) from an idle engine at t=0."""
     arrival = np.asarray(arrival_s, dtype=np.float64)
@@ -172,6 +174,8 @@ def simulate(
     log_tokens: list[int] = []
     log_seqs: list[int] = []
     log_s: list[float] = []
+    traced = np.zeros(n, dtype=bool) if trace is None else np.asarray(trace, dtype=bool)
+    token_times: dict[int, list[float]] = {int(i): [] for i in np.flatnonzero(traced)}
 
     order = np.argsort(arrival, kind="stable")
     arr_sorted = arrival[order]
@@ -282,6 +286,9 @@ def simulate(
         log_tokens.append(int(sched.sum()))
         log_seqs.append(int(r.size))
         log_s.append(dt)
+        if token_times:
+            for rid in r[(emitted > 0) & traced[r]].tolist():
+                token_times[rid].append(t_end)
         t = t_end
         steps += 1
 
@@ -301,6 +308,7 @@ def simulate(
         step_tokens=np.asarray(log_tokens, dtype=np.int64),
         step_seqs=np.asarray(log_seqs, dtype=np.int64),
         step_s=np.asarray(log_s),
+        token_times=token_times or None,
     )
 
 
