@@ -38,7 +38,7 @@ LOAD_COLUMNS = (
     "mean_prompt_tokens",
     "mean_gen_tokens",
 )
-LOAD_OPTIONAL_COLUMNS = ("gen_tokens_std", "saturated")
+LOAD_OPTIONAL_COLUMNS = ("gen_tokens_std", "prompt_tokens_std", "saturated")
 DEFAULT_WARMUP = 10
 MIN_BATCH_SIZES = 3
 # A knee must have this many distinct step sizes on each side, lower the BIC by this much and
@@ -46,7 +46,7 @@ MIN_BATCH_SIZES = 3
 # not a compute knee.
 KNEE_MIN_SIDE = 3
 KNEE_MIN_BIC_GAIN = 10.0
-KNEE_MIN_SSE_GAIN = 0.2
+KNEE_MIN_SSE_GAIN = 0.1
 KNEE_LR_CHI2 = 3.84  # 95 % profile-likelihood interval of the knee position
 
 # --------------------------------------------------------------------------------------------
@@ -314,6 +314,7 @@ class LoadRow:
     line: int
     gen_tokens_std: float | None = None
     saturated: bool | None = None  # measured: the queue kept growing (None: not recorded)
+    prompt_tokens_std: float | None = None
 
 
 def _read_csv(path: Path, columns: Sequence[str]) -> tuple[list[dict[str, str]], str]:
@@ -430,12 +431,12 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
             raise InputError(f"{p}:{line}: column draft_length: must be >= 1 when sd is on")
         if vals["mean_gen_tokens"] <= 0:
             raise InputError(f"{p}:{line}: column mean_gen_tokens: must be > 0")
-        std = None
-        cell = (r.get("gen_tokens_std") or "").strip()
-        if cell:
-            std = _number(p, line, "gen_tokens_std", cell)
-            if std < 0:
-                raise InputError(f"{p}:{line}: column gen_tokens_std: {std:g} is negative")
+        stds: dict[str, float | None] = {}
+        for col in ("gen_tokens_std", "prompt_tokens_std"):
+            cell = (r.get(col) or "").strip()
+            stds[col] = _number(p, line, col, cell) if cell else None
+            if (stds[col] or 0.0) < 0:
+                raise InputError(f"{p}:{line}: column {col}: {stds[col]:g} is negative")
         saturated = None
         cell = (r.get("saturated") or "").strip().lower()
         if cell:
@@ -454,8 +455,9 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 vals["mean_prompt_tokens"],
                 vals["mean_gen_tokens"],
                 line,
-                std,
+                stds["gen_tokens_std"],
                 saturated,
+                stds["prompt_tokens_std"],
             )
         )
     return rows, digest
@@ -883,7 +885,7 @@ def _predicted_latency(model: LatencyModel, row: LoadRow) -> float:
     from controller.acceptance import alpha_from_vllm_rate
     from controller.model import Workload, predict_point
 
-    workload = Workload(row.mean_prompt_tokens, row.mean_gen_tokens, row.gen_tokens_std)
+    workload = Workload(row.mean_prompt_tokens, row.mean_gen_tokens, row.gen_tokens_std, row.prompt_tokens_std)
     gamma = row.draft_length if row.sd else 0
     alpha = float(alpha_from_vllm_rate(row.acceptance_rate, max(gamma, 1)))
     p = predict_point(model, row.rate, alpha, max(gamma, 1), workload)

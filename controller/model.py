@@ -186,6 +186,9 @@ class LatencyModel:
     relative_sd_on: float = 0.0
 
 
+_GH3 = ((1.0 / 6.0, -1.0), (2.0 / 3.0, 0.0), (1.0 / 6.0, 1.0))
+
+
 @dataclass(frozen=True)
 class Workload:
     """Request shape: mean prompt tokens P, mean generated tokens G and G's spread."""
@@ -193,6 +196,21 @@ class Workload:
     prompt_tokens: float
     gen_tokens: float
     gen_tokens_std: float | None = None  # None: not measured, DEFAULT_GEN_CV·G assumed
+    prompt_tokens_std: float | None = None  # None: not measured, every prompt taken as the mean
+
+    def prompt_nodes(self) -> tuple[tuple[float, float], ...]:
+        """(weight, prompt tokens) quadrature of the prompt-length distribution.
+
+        A prompt's marginal step cost is not linear in its length (knees), so the mean cost is
+        not the cost of the mean prompt. Lengths are taken as lognormal with the measured mean
+        and spread; three Gauss–Hermite nodes reproduce its first five moments.
+        """
+        p, sd = float(self.prompt_tokens), self.prompt_tokens_std
+        if not sd or p <= 0:
+            return ((1.0, p),)
+        s2 = math.log1p((sd / p) ** 2)
+        s = math.sqrt(s2)
+        return tuple((w, p * math.exp(-0.5 * s2 + s * math.sqrt(3.0) * z)) for w, z in _GH3)
 
     @property
     def gen_tokens_var(self) -> float:
@@ -251,6 +269,18 @@ class _Linear:
             else:
                 self.hinges.append((at, w))
 
+    def shifted(self, by: float) -> _Linear:
+        """f(B + by) as a function of B."""
+        out = _Linear()
+        out.c0, out.c1 = self.c0 + self.c1 * by, self.c1
+        for at, w in self.hinges:
+            if at - by <= 0.0:  # active from B = 0
+                out.c0 += w * (by - at)
+                out.c1 += w
+            else:
+                out.hinges.append((at - by, w))
+        return out
+
     def at_segment(self, start: float) -> tuple[float, float]:
         """(intercept, slope) of the line in force just above ``start``."""
         c0, c1 = self.c0, self.c1
@@ -305,14 +335,19 @@ def _mode_pieces(
         if prefill is not None:  # schema-1: stand-alone prefill slope, no mixed-step data
             prompt.c0 += prefill.scalar(p, p) - prefill.intercept_s
         else:
-            # The marginal cost of P prompt tokens on a step that already carries k·B tokens.
-            prompt.add_pass(target, 1.0, k, p, 0.0, 0.0)
+            # The marginal cost of P prompt tokens on a step that already carries k·B tokens,
+            # averaged over the prompt-length distribution.
+            for w, pn in workload.prompt_nodes():
+                prompt.add_pass(target, w, k, pn, 0.0, 0.0)
             prompt.add_pass(target, -1.0, k, 0.0, 0.0, 0.0)
         if sd and model.draft_prefills and not draft.is_zero:
-            prompt.add_pass(draft, 1.0, 1.0, p, 0.0, 0.0)
+            for w, pn in workload.prompt_nodes():
+                prompt.add_pass(draft, w, 1.0, pn, 0.0, 0.0)
             prompt.add_pass(draft, -1.0, 1.0, 0.0, 0.0, 0.0)
     steps = (g - 1.0) / accepted_length
-    return step, prompt, steps, k
+    # A request shares its steps with the B = λ·T others (Poisson arrivals see the time average)
+    # and with itself: its steps run at batch B + 1, which matters at low load.
+    return step.shifted(1.0), prompt.shifted(1.0), steps, k
 
 
 def _segments(

@@ -92,7 +92,7 @@ def _alpha(row: LoadRow) -> float:
 
 
 def _workload(row: LoadRow) -> Workload:
-    return Workload(row.mean_prompt_tokens, row.mean_gen_tokens, row.gen_tokens_std)
+    return Workload(row.mean_prompt_tokens, row.mean_gen_tokens, row.gen_tokens_std, row.prompt_tokens_std)
 
 
 def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
@@ -163,6 +163,7 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
     rows = [c.row for c in group]
     n = len(rows)
     stds = [r.gen_tokens_std for r in rows if r.gen_tokens_std is not None]
+    pstds = [r.prompt_tokens_std for r in rows if r.prompt_tokens_std is not None]
     return LoadRow(
         rate=0.0,
         sd=rows[0].sd,
@@ -173,6 +174,7 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
         mean_gen_tokens=sum(r.mean_gen_tokens for r in rows) / n,
         line=0,
         gen_tokens_std=sum(stds) / len(stds) if stds else None,
+        prompt_tokens_std=sum(pstds) / len(pstds) if pstds else None,
     )
 
 
