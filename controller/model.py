@@ -187,6 +187,7 @@ class LatencyModel:
 
 
 _GH3 = ((1.0 / 6.0, -1.0), (2.0 / 3.0, 0.0), (1.0 / 6.0, 1.0))
+MAX_PROMPT_CV = 10.0
 
 
 @dataclass(frozen=True)
@@ -208,9 +209,10 @@ class Workload:
         p, sd = float(self.prompt_tokens), self.prompt_tokens_std
         if not sd or p <= 0:
             return ((1.0, p),)
-        s2 = math.log1p((sd / p) ** 2)
-        s = math.sqrt(s2)
-        return tuple((w, p * math.exp(-0.5 * s2 + s * math.sqrt(3.0) * z)) for w, z in _GH3)
+        s = math.sqrt(math.log1p(min(sd / p, MAX_PROMPT_CV) ** 2))
+        raw = [(w, math.exp(s * math.sqrt(3.0) * z)) for w, z in _GH3]
+        norm = p / sum(w * x for w, x in raw)  # the nodes keep the measured mean exactly
+        return tuple((w, x * norm) for w, x in raw)
 
     @property
     def gen_tokens_var(self) -> float:

@@ -11,9 +11,8 @@ from controller.model import LatencyModel, StepCost
 from controller.synthetic import bench_rows, write_bench_csv
 
 TRUE = LatencyModel(
-    prefill=StepCost(0.004, 5.0e-5),
     target=StepCost(0.0065, 9.0e-5, (), (), 4.0e-8),
-    verify=StepCost(0.0072, 9.0e-5, (), (), 4.0e-8),
+    draft=StepCost(0.0008, 4.0e-6),
 )
 
 
@@ -62,10 +61,10 @@ def test_calibrate_writes_and_reports(tmp_path, capsys):
     out = tmp_path / "cal.json"
     assert main(["calibrate", str(src), "-o", str(out), "--gpu", "test-gpu"]) == 0
     text = capsys.readouterr().out
-    assert "fit quality" in text and "verify" in text
+    assert "fit quality" in text and "draft" in text and "prediction intervals" in text
     cal = json.loads(out.read_text())
     assert cal["metadata"]["gpu"] == "test-gpu"
-    assert cal["phases"]["verify"]["fit"]["r2"] > 0.95
+    assert cal["phases"]["draft"]["fit"]["r2"] > 0.95
     # The fitted file drives predict.
     assert main(["predict", "--calibration", str(out), "--json"]) == 0
 

@@ -7,6 +7,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from dataclasses import replace
+
 from controller.model import (
     LatencyModel,
     Moe,
@@ -14,100 +16,189 @@ from controller.model import (
     Workload,
     best_draft_length,
     break_even_rates,
+    curves,
     predict,
     predict_point,
     speedup_point,
     stability_limits,
 )
+from controller.queueing import heavy_traffic_wait_s
 
 ZERO = StepCost(0.0, 0.0)
-BIG = 10**7  # max_num_seqs large enough that the cap does not bind
+BIG = 10**7  # max_num_seqs large enough that neither the bound nor the queueing term matters
 
 
 def simple(max_num_seqs=BIG, **kw):
-    """Decode step 10 ms + 1 ms/token, verify 12 ms + 1 ms/token, free prefill and drafting."""
-    base = dict(prefill=ZERO, target=StepCost(0.010, 0.001), verify=StepCost(0.012, 0.001), draft=ZERO)
+    """Target pass 10 ms + 1 ms/token; a schema-1 style SD step 12 ms + 1 ms/token; free drafting."""
+    base = dict(target=StepCost(0.010, 0.001), verify=StepCost(0.012, 0.001), draft=ZERO)
     base.update(kw)
     return LatencyModel(max_num_seqs=max_num_seqs, **base)
 
 
-W = Workload(prompt_tokens=0, gen_tokens=100)
+W = Workload(prompt_tokens=0, gen_tokens=100, gen_tokens_std=0.0)
+
+
+def steps(g=100, en=1.0):
+    """Decode steps after the prefill step, plus the prefill step and half a step in flight."""
+    return (g - 1) / en + 1.5
 
 
 # --- hand-computed ------------------------------------------------------------------------
 
 
 def test_no_sd_closed_form():
-    # c0 = G·a = 1.0 s, c1 = G·b = 0.1 s per running request; λ = 2: T = 1/(1 − 0.2).
+    # A request's steps run at batch B + 1: τ = 0.010 + 0.001·(B + 1); T = 100.5·τ.
+    c0, c1 = steps() * 0.011, steps() * 0.001
     p = predict(simple(), 2.0, 0.5, 1, W)
-    assert float(p.off.latency_s) == pytest.approx(1.25)
-    assert float(p.off.batch) == pytest.approx(2.5)
+    assert float(p.off.latency_s) == pytest.approx(c0 / (1 - 2 * c1))
+    assert float(p.off.batch) == pytest.approx(2 * c0 / (1 - 2 * c1))
 
 
 def test_sd_closed_form_and_speedup():
-    # α = 0.5, γ = 1: E[N] = 1.5, 66.7 verify steps of 12 ms + 2 tokens·1 ms.
-    # c0 = 0.8, c1 = 0.1333; λ = 2: T = 0.8 / (1 − 0.2667) = 1.0909.
+    # α = 0.5, γ = 1: E[N] = 1.5, 66 verify steps + 1.5 of 12 ms + 2 tokens·1 ms at batch B + 1.
+    n = steps(en=1.5)
+    c0, c1 = n * (0.012 + 0.002), n * 0.002
     p = predict(simple(), 2.0, 0.5, 1, W)
-    assert float(p.on.latency_s) == pytest.approx(0.8 / (1 - 2 * 0.4 / 3))
-    assert float(p.speedup) == pytest.approx(1.25 / (0.8 / (1 - 0.8 / 3)))
+    t_on = c0 / (1 - 2 * c1)
+    assert float(p.on.latency_s) == pytest.approx(t_on)
+    t_off = steps() * 0.011 / (1 - 2 * steps() * 0.001)
+    assert float(p.speedup) == pytest.approx(t_off / t_on)
     assert float(p.accepted_length) == pytest.approx(1.5)
 
 
+def test_sd_step_from_target_and_draft_passes():
+    # Schema 2: the SD step is a target pass over B·(γ+1) tokens + γ draft passes + the overhead.
+    m = LatencyModel(target=StepCost(0.010, 0.001), draft=StepCost(0.002, 0.0001), sd_overhead_s=0.0005, max_num_seqs=BIG)
+    n = steps(en=1.75)  # α = 0.5, γ = 2: E[N] = 1 + 0.5 + 0.25
+    tau0 = 0.010 + 0.003 + 2 * (0.002 + 0.0001) + 0.0005  # at batch 1
+    tau1 = 0.003 + 2 * 0.0001  # per further sequence
+    p = predict_point(m, 1.0, 0.5, 2, W)
+    assert p.latency_on_s == pytest.approx(n * tau0 / (1 - n * tau1))
+
+
 def test_break_even_by_hand():
-    # 1·(1 − 0.1333λ) = 0.8·(1 − 0.1λ)  ->  λ = 3.75, where both T are 1.6 s.
+    # T_off = 1.1055/(1 − 0.1005λ), T_on = 0.945/(1 − 0.135λ): equal where
+    # 1.1055·(1 − 0.135λ) = 0.945·(1 − 0.1005λ).
+    a0, a1 = steps() * 0.011, steps() * 0.001
+    n = steps(en=1.5)
+    b0, b1 = n * 0.014, n * 0.002
+    lam = (a0 - b0) / (a0 * b1 - b0 * a1)
     be = break_even_rates(simple(), 0.5, 1, W, thresholds=(1.0,))[1.0]
-    assert be.rate_rps == pytest.approx(3.75, rel=1e-9)
-    p = predict_point(simple(), 3.75, 0.5, 1, W)
-    assert p.latency_off_s == pytest.approx(1.6)
-    assert p.latency_on_s == pytest.approx(1.6)
+    assert be.rate_rps == pytest.approx(lam, rel=1e-5)
+    p = predict_point(simple(), lam, 0.5, 1, W)
+    assert p.latency_off_s == pytest.approx(p.latency_on_s, rel=1e-9)
 
 
-def test_prefill_interference_and_context_terms():
-    # Prefill 50 ms + 1 ms/token, P = 100: own prefill 0.15 s, each other request's adds 0.1 s.
-    # Context 1e-5 s per KV token, mean context P + G/2 = 150: adds G·1e-5·150 = 0.15 to c1.
-    m = simple(prefill=StepCost(0.05, 0.001), target=StepCost(0.010, 0.001, context_s_per_token=1e-5))
-    w = Workload(100, 100)
-    p = predict(m, 1.0, 0.5, 1, w)
-    c0, c1 = 0.15 + 1.0, 0.1 + 0.1 + 0.15
-    assert float(p.off.latency_s) == pytest.approx(c0 / (1 - c1))
+def test_prompt_is_priced_at_its_marginal_cost_on_a_mixed_step():
+    # Knee at 100 tokens per pass: 1 ms/token below, 0.2 ms/token above. A 500-token prompt on
+    # a step with B + 1 decode tokens costs t(B + 1 + 500) − t(B + 1), not a stand-alone prefill.
+    target = StepCost(0.010, 0.001, (100.0,), (-0.0008,))
+    m = LatencyModel(target=target, max_num_seqs=BIG)
+    w = Workload(500, 100, 0.0)
+    off, _ = curves(m, 0.5, 1, w)
+    for b in (0.0, 20.0, 150.0):
+        expect = target.scalar(b + 1 + 500) - target.scalar(b + 1)
+        assert off.prompt(b) == pytest.approx(expect)
+    # T(B) = 100.5·τ(B + 1) + (B + 1)·Δ(B): check at a batch on the first segment.
+    b = 20.0
+    assert off.latency_at_batch(b) == pytest.approx(steps() * target.scalar(b + 1) + (b + 1) * off.prompt(b))
+
+
+def test_draft_prefills_every_prompt_with_sd():
+    target, draft = StepCost(0.010, 0.001), StepCost(0.002, 0.0002)
+    w = Workload(300, 100, 0.0)
+    with_draft = LatencyModel(target=target, draft=draft, max_num_seqs=BIG)
+    ngram = LatencyModel(target=target, draft=draft, draft_prefills=False, max_num_seqs=BIG)
+    _, on = curves(with_draft, 0.6, 3, w)
+    _, on_ngram = curves(ngram, 0.6, 3, w)
+    assert on.prompt(5.0) == pytest.approx(300 * 0.001 + 300 * 0.0002)
+    assert on_ngram.prompt(5.0) == pytest.approx(300 * 0.001)
+    assert predict_point(with_draft, 0.5, 0.6, 3, w).latency_on_s > predict_point(ngram, 0.5, 0.6, 3, w).latency_on_s
+
+
+def test_context_is_residence_weighted():
+    # G with mean 100 and sd 50: E[G²]/(2E[G]) = (100² + 50²)/200 = 62.5 tokens of context on
+    # top of the prompt, not G/2 = 50: long generations stay in the batch longer.
+    assert Workload(200, 100, 50.0).mean_context_tokens == pytest.approx(262.5)
+    assert Workload(200, 100, 0.0).mean_context_tokens == pytest.approx(250.0)
+    assert Workload(200, 100).mean_context_tokens == pytest.approx(200 + (100**2 + 100**2) / 200)  # CV 1 default
+    m = simple(target=StepCost(0.010, 0.001, context_s_per_token=1e-5))
+    slow = predict_point(m, 3.0, 0.5, 1, Workload(0, 100, 80.0)).latency_off_s
+    fast = predict_point(m, 3.0, 0.5, 1, Workload(0, 100, 0.0)).latency_off_s
+    assert slow > fast
+
+
+def test_prompt_length_spread_averages_the_marginal_cost():
+    # Past a knee with a lower slope the cost is concave in the prompt: spread lowers the mean.
+    target = StepCost(0.010, 0.001, (400.0,), (-0.0008,))
+    m = LatencyModel(target=target, max_num_seqs=BIG)
+    fixed, spread = Workload(500, 100, 0.0, 0.0), Workload(500, 100, 0.0, 300.0)
+    nodes = spread.prompt_nodes()
+    assert sum(w for w, _ in nodes) == pytest.approx(1.0)
+    assert sum(w * p for w, p in nodes) == pytest.approx(500.0)
+    assert curves(m, 0.5, 1, spread)[0].prompt(3.0) < curves(m, 0.5, 1, fixed)[0].prompt(3.0)
 
 
 def test_knee_segment_by_segment():
-    # Knee at 50 tokens, +2 ms/token past it: T = 1 + 0.1·B + 0.2·max(0, B − 50).
+    # Knee at 50 tokens, +2 ms/token past it; at batch B + 1 the hinge sits at B = 49.
     m = simple(target=StepCost(0.010, 0.001, (50.0,), (0.002,)))
-    assert float(predict(m, 8.0, 0.5, 1, W).off.latency_s) == pytest.approx(5.0)  # B = 40 < 50
-    # Throughput B/T(B) peaks at the knee: 50 / 6 req/s; past it the queue grows.
+    c0, c1 = steps() * 0.011, steps() * 0.001
+    lam = 6.0
+    b = lam * c0 / (1 - lam * c1)
+    assert b < 49
+    assert float(predict(m, lam, 0.5, 1, W).off.batch) == pytest.approx(b)
+    # Past the hinge: T = c0 + c1·B + 100.5·0.002·(B − 49); throughput peaks at the hinge.
     lim_off, _ = stability_limits(m, 0.5, 1, W)
-    assert lim_off == pytest.approx(50 / 6)
-    assert bool(predict(m, 8.4, 0.5, 1, W).off.overloaded)
+    assert lim_off == pytest.approx(49 / (c0 + c1 * 49))
+    assert bool(predict(m, lim_off * 1.001, 0.5, 1, W).off.overloaded)
 
 
-def test_knee_second_segment_root():
-    # A gentle knee: T = 1 + 0.1·B + 0.05·max(0, B − 5). λ = 6: first segment root 6/0.4 = 15 > 5;
-    # second: intercept 1 − 0.25 = 0.75, slope 0.15 -> B = 6·0.75 / (1 − 0.9) = 45.
-    m = simple(target=StepCost(0.010, 0.001, (5.0,), (0.0005,)))
-    p = predict(m, 6.0, 0.5, 1, W)
-    assert float(p.off.batch) == pytest.approx(45.0)
-    assert predict_point(m, 6.0, 0.5, 1, W).batch_off == pytest.approx(45.0)
-
-
-def test_max_num_seqs_caps_capacity():
-    # M = 10: throughput at the cap is 10 / (1 + 0.1·10) = 5 req/s.
+def test_max_num_seqs_bounds_the_batch_and_queueing_rises_before_it():
     m = simple(max_num_seqs=10)
-    assert float(predict(m, 4.9, 0.5, 1, W).off.batch) == pytest.approx(4.9 / (1 - 0.49))
-    p = predict(m, 5.0, 0.5, 1, W)
-    assert bool(p.off.overloaded)
-    assert math.isinf(float(p.off.latency_s))
-    assert float(p.off.stability_limit_rps) == pytest.approx(5.0)
+    c0, c1 = steps() * 0.011, steps() * 0.001
+    limit = 10 / (c0 + c1 * 10)
+    p = predict_point(m, 0.5 * limit, 0.5, 1, W)
+    fluid = c0 / (1 - 0.5 * limit * c1)
+    assert p.latency_off_s > fluid  # the heavy-traffic wait
+    assert p.latency_off_s == pytest.approx(fluid + heavy_traffic_wait_s(0.5 * limit, limit, 10, c0 + c1 * 10, 0.0))
+    near = predict_point(m, 0.99 * limit, 0.5, 1, W)
+    assert near.latency_off_s > 5 * (c0 + c1 * 10)
+    over = predict(m, limit, 0.5, 1, W)
+    assert bool(over.off.overloaded) and math.isinf(float(over.off.latency_s))
+    assert float(over.off.stability_limit_rps) == pytest.approx(limit)
+
+
+def test_kv_cache_bounds_the_batch_with_less_room_for_sd():
+    w = Workload(0, 100, 0.0)  # 50 tokens of context per running sequence
+    m = LatencyModel(
+        target=StepCost(0.010, 0.001), draft=StepCost(0.001, 0.0001), max_num_seqs=256,
+        kv_cache_tokens_off=1000, kv_cache_tokens_on=500,
+    )  # fmt: skip
+    off, on = curves(m, 0.7, 2, w)
+    assert off.batch_bound == pytest.approx(20.0)
+    assert on.batch_bound == pytest.approx(10.0)
+    assert off.stability_limit_rps == pytest.approx(20.0 / off.latency_at_batch(20.0))
+
+
+def test_prediction_interval_is_the_scaled_costs():
+    m = replace(simple(max_num_seqs=50), relative_sd_off=0.05, relative_sd_on=0.08)
+    p = predict_point(m, 3.0, 0.6, 2, W)
+    assert p.latency_off_lo_s < p.latency_off_s < p.latency_off_hi_s
+    assert p.latency_on_lo_s < p.latency_on_s < p.latency_on_hi_s
+    s = 1 + 1.645 * 0.05
+    slower = replace(m, scale_off=s, relative_sd_off=0.0)
+    assert p.latency_off_hi_s == pytest.approx(predict_point(slower, 3.0, 0.6, 2, W).latency_off_s, rel=1e-9)
+    assert p.speedup_lo < p.speedup < p.speedup_hi
 
 
 def test_overload_is_explicit_never_nan():
-    p = predict(simple(), np.array([0.0, 5.0, 9.0, 10.0, 50.0]), 0.5, 1, W)
+    p = predict(simple(), np.array([0.0, 5.0, 8.0, 10.5, 50.0]), 0.5, 1, W)
     for arr in (p.speedup, p.on.latency_s, p.off.latency_s, p.on.batch, p.off.batch):
         assert not np.isnan(arr).any()
+    lim_off, lim_on = stability_limits(simple(), 0.5, 1, W)
+    assert lim_on < 8.0 < lim_off < 10.5
     assert list(p.off.overloaded) == [False, False, False, True, True]
-    # SD saturates first (7.5 req/s): at 9 SD is overloaded and plain decoding is not.
-    assert float(p.speedup[2]) == 0.0
+    assert float(p.speedup[2]) == 0.0  # only SD is overloaded
 
 
 def test_zero_draft_length_is_exactly_no_sd():
@@ -130,9 +221,9 @@ def test_moe_makes_verify_cheaper_than_dense():
     s_moe = predict(moe, 3.0, 0.7, 4, W).speedup
     # Verifying γ+1 tokens touches few more experts than 1 token: SD pays more with MoE.
     assert float(s_moe) > float(s_dense)
-    # And the numeric MoE fixed point still holds.
-    p = predict(moe, 3.0, 0.7, 4, W)
-    assert not bool(p.on.overloaded)
+    p = predict_point(moe, 3.0, 0.7, 4, W)
+    assert not p.overloaded_on
+    assert p.batch_on == pytest.approx(3.0 * p.latency_on_s, rel=1e-9)
 
 
 def test_best_draft_length_shrinks_with_load():
@@ -140,16 +231,13 @@ def test_best_draft_length_shrinks_with_load():
     low = best_draft_length(m, 0.1, 0.8, W)
     high = best_draft_length(m, 3.0, 0.8, W)
     assert low.draft_length > high.draft_length
-    # The choice is the argmin of SD latency over the candidates.
     lat = [predict_point(m, 0.1, 0.8, g, W).latency_on_s for g in range(1, 17)]
     assert low.draft_length == 1 + int(np.argmin(lat))
 
 
 def test_break_even_zero_and_always_above():
-    # Verify costs 10x a decode step: SD never pays.
     slow = simple(verify=StepCost(0.1, 0.01))
     assert break_even_rates(slow, 0.5, 1, W)[1.05].rate_rps == 0.0
-    # SD with a smaller per-token cost than plain decoding: it never falls below 1.
     cheap = simple(verify=StepCost(0.010, 0.0001))
     be = break_even_rates(cheap, 0.9, 2, W)[1.0]
     assert be.always_above and be.rate_rps is None
@@ -184,17 +272,27 @@ def models(draw, knees=True):
             c = StepCost(c.intercept_s, c.slope_s_per_token, (k,), (d,), c.context_s_per_token)
         return c
 
+    legacy = draw(st.booleans())  # schema-1 style (whole SD step and stand-alone prefill fits)
     return LatencyModel(
-        prefill=cost(),
         target=cost(),
-        verify=cost(),
         draft=cost(),
+        sd_overhead_s=draw(st.floats(0.0, 0.002)),
+        verify=cost() if legacy else None,
+        prefill=cost() if legacy else None,
         max_num_seqs=draw(st.integers(1, 1024)),
         max_num_batched_tokens=draw(st.one_of(st.none(), st.integers(64, 16384))),
+        kv_cache_tokens_off=draw(st.one_of(st.none(), st.floats(1e4, 1e6))),
+        kv_cache_tokens_on=draw(st.one_of(st.none(), st.floats(1e4, 1e6))),
     )
 
 
-workloads = st.builds(Workload, st.floats(0, 4096), st.floats(1, 1024))
+workloads = st.builds(
+    Workload,
+    st.floats(0, 4096),
+    st.floats(1, 1024),
+    st.one_of(st.none(), st.floats(0, 1024)),
+    st.one_of(st.none(), st.floats(0, 2048)),
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -207,9 +305,12 @@ def test_fixed_point_holds(model, workload, alpha, gamma, frac):
         if bool(mode.overloaded):
             assert frac >= 1.0 - 1e-9
             continue
-        b, t = float(mode.batch), float(mode.latency_s)
-        assert abs(b - rate * t) <= 1e-9 * max(b, 1e-12)
-        assert b <= model.max_num_seqs * (1 + 1e-12)
+        off, on = curves(model, alpha, gamma, workload)
+        curve = on if sd == "on" else off
+        b, t = float(mode.batch), curve.fluid_latency_s(rate)
+        assert abs(b - rate * t) <= 1e-9 * max(b, 1e-12)  # Little's law at the fluid fixed point
+        assert float(mode.latency_s) >= t  # plus the wait from variability, never less
+        assert b <= curve.batch_bound * (1 + 1e-12) <= model.max_num_seqs * (1 + 1e-12)
 
 
 @settings(max_examples=200, deadline=None)
@@ -222,27 +323,14 @@ def test_gamma_zero_speedup_is_one(model, workload, alpha, frac):
 @settings(max_examples=200, deadline=None)
 @given(models(knees=False), workloads, st.floats(0.0, 1.0), st.integers(1, 16))
 def test_speedup_never_rises_with_rate_when_sd_has_the_larger_slope(model, workload, alpha, gamma):
-    # Verify at least as costly per token as decode and no context term: c1_SD >= c1_noSD.
+    # Lines only, no prompts, no bound: T = c0/(1 − λ·c1) per mode, so S falls when c1_SD >= c1_off.
     model = LatencyModel(
-        prefill=model.prefill,
-        target=model.target,
-        verify=StepCost(
-            model.verify.intercept_s,
-            max(model.verify.slope_s_per_token, model.target.slope_s_per_token),
-        ),
-        draft=StepCost(model.draft.intercept_s, model.draft.slope_s_per_token),
-        max_num_seqs=model.max_num_seqs,
-    )
-    model = LatencyModel(
-        prefill=model.prefill,
         target=StepCost(model.target.intercept_s, model.target.slope_s_per_token),
-        verify=model.verify,
-        draft=model.draft,
-        max_num_seqs=model.max_num_seqs,
+        draft=StepCost(model.draft.intercept_s, model.draft.slope_s_per_token),
+        max_num_seqs=BIG,
     )
+    workload = Workload(0.0, workload.gen_tokens, 0.0)
     lim_off, lim_on = stability_limits(model, alpha, gamma, workload)
-    # Where both modes are stable T = c0/(1 − λ·c1) for each, so S falls when c1_SD >= c1_noSD.
-    # (Past a stability limit the capacities decide, see test_overload_is_explicit_never_nan.)
     rates = np.linspace(0.0, min(lim_off, lim_on) * (1 - 1e-9), 200)
     s = predict(model, rates, alpha, gamma, workload).speedup
     assert np.all(np.isfinite(s))
@@ -298,27 +386,30 @@ def test_stability_limit_is_the_boundary(model, workload, alpha, gamma):
     assert above.overloaded_on
 
 
-def test_token_budget_starves_prefill_by_hand():
-    # One line, no SD: T = 1 + 0.1·B (G = 100 steps of 10 ms + 1 ms/token); P = 50 prompt tokens.
-    # t_step = T/100. Budget 100 tokens per step: λ·50·(1 + 0.1B)/100 + B = 100 with B = λ/(1 − 0.1λ).
+def test_token_budget_starves_prefill():
+    # Per step the batch needs B + 1 tokens and arriving prompts λ·τ·P more (τ = τ_d/(1 − λΔ)):
+    # past the rate where that exceeds the budget, prefill cannot keep up.
     m = simple(max_num_batched_tokens=100)
-    w = Workload(prompt_tokens=50, gen_tokens=100)
-    lim_off, _ = stability_limits(m, 0.5, 1, w)
-    b = lim_off / (1 - 0.1 * lim_off)
-    assert lim_off * 50 * (1 + 0.1 * b) / 100 + b == pytest.approx(100, rel=1e-9)
-    assert lim_off < 10  # tighter than the 1/c1 = 10 req/s the line alone allows
-    vec = predict(m, [lim_off * 0.999, lim_off * 1.001], 0.5, 1, w)
+    w = Workload(prompt_tokens=50, gen_tokens=100, gen_tokens_std=0.0)
+    off, _ = curves(m, 0.5, 1, w)
+    lam = off.stability_limit_rps
+    b = off.batch(lam * (1 - 1e-9))
+    used = off.step_tokens * b + lam * 50 * off.step(b) / (1 - lam * off.prompt(b))
+    assert used == pytest.approx(100, rel=1e-6)
+    unbounded, _ = curves(simple(), 0.5, 1, w)
+    assert lam < unbounded.stability_limit_rps
+    vec = predict(m, [lam * 0.999, lam * 1.001], 0.5, 1, w)
     assert list(vec.off.overloaded) == [False, True]
-    assert float(vec.off.stability_limit_rps[0]) == pytest.approx(lim_off, rel=1e-9)
 
 
 def test_full_batch_admission_is_limited_by_the_budget():
     from controller.model import throughput_at_batch
 
     m = simple(max_num_batched_tokens=250, max_num_seqs=1000)
-    w = Workload(prompt_tokens=50, gen_tokens=100)
-    # SD γ=1 at B=100: verify takes 200 of the 250 tokens; 50 left per step for prompts, i.e.
-    # one 50-token prompt per 0.212 s step (4.7/s), below the 100/T(100) = 7.1/s it completes.
-    t_step = 0.012 + 0.001 * 200  # verify step at 200 tokens
+    w = Workload(prompt_tokens=50, gen_tokens=100, gen_tokens_std=0.0)
+    # SD γ=1 at B=100: verify takes 200 of the 250 tokens; 50 left per step for one 50-token
+    # prompt per step, a step being the verify pass at batch B + 1.
+    _, on = curves(m, 0.5, 1, w)
+    t_step = on.step(100)
     assert throughput_at_batch(m, 100, True, 0.5, 1, w) == pytest.approx(50 / (50 * t_step))
     assert throughput_at_batch(simple(), 100, True, 0.5, 1, w) > throughput_at_batch(m, 100, True, 0.5, 1, w)
