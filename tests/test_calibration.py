@@ -230,7 +230,7 @@ def test_schema_1_file_migrates(tmp_path):
     assert predict_point(m, 1.0, 0.7, 4, Workload(512, 256)).latency_on_s > 0
     v1["phases"].pop("target")
     p.write_text(json.dumps(v1))
-    with pytest.raises(InputError, match="phases.target"):
+    with pytest.raises(InputError, match=r"phases\.target"):
         load(p)
 
 

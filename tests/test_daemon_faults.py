@@ -18,6 +18,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import LEGACY_CALIBRATION
 from tests.support.fake_launcher import FakeLauncherServer
 from tests.support.fake_vllm import FakeVllmServer
 
@@ -71,7 +72,7 @@ def start_daemon(tmp_path, prom_url, launcher_url, port, **extra):
     env = {
         **os.environ,
         "SD_CONTROLLER_HOOK_TOKEN": TOKEN,
-        "SD_CONTROLLER_CALIBRATION_FILE": "example",
+        "SD_CONTROLLER_CALIBRATION_FILE": LEGACY_CALIBRATION,
         "SD_CONTROLLER_PROMETHEUS_URL": prom_url,
         "SD_CONTROLLER_PROMETHEUS_SELECTOR": 'job="vllm"',
         "SD_CONTROLLER_HOOK_TYPE": "launcher",
@@ -224,7 +225,7 @@ def test_once_and_config_errors(tmp_path):
         ({"SD_CONTROLLER_HOOK_TOKEN_FILE": str(tmp_path / "no-token")}, "setting hook_token_file: cannot read"),
     ]
     for env, message in cases:
-        env = {"SD_CONTROLLER_CALIBRATION_FILE": "example", "SD_CONTROLLER_STATE_FILE": str(tmp_path / "s.json"), **env}
+        env = {"SD_CONTROLLER_CALIBRATION_FILE": LEGACY_CALIBRATION, "SD_CONTROLLER_STATE_FILE": str(tmp_path / "s.json"), **env}
         proc = run("--once", **env)
         assert proc.returncode == 2, (env, proc.stderr)
         assert message in proc.stderr, (message, proc.stderr)
@@ -233,7 +234,7 @@ def test_once_and_config_errors(tmp_path):
     # --once against a live fake vLLM (direct scraping), observe-only hook.
     with FakeVllmServer() as vllm:
         proc = run(
-            "--once", "--dry-run", SD_CONTROLLER_CALIBRATION_FILE="example", SD_CONTROLLER_HOOK_TYPE="none",
+            "--once", "--dry-run", SD_CONTROLLER_CALIBRATION_FILE=LEGACY_CALIBRATION, SD_CONTROLLER_HOOK_TYPE="none",
             SD_CONTROLLER_VLLM_METRICS_URL=vllm.metrics_url, SD_CONTROLLER_STATE_FILE=str(tmp_path / "s.json"),
         )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -242,7 +243,7 @@ def test_once_and_config_errors(tmp_path):
 
 def test_config_file_and_set(tmp_path):
     cfg = tmp_path / "sd.yaml"
-    cfg.write_text("dwell_s: 600\nhook_type: none\ncalibration_file: example\n")
+    cfg.write_text(f"dwell_s: 600\nhook_type: none\ncalibration_file: {LEGACY_CALIBRATION}\n")
     from controller.settings import load_settings
 
     s = load_settings(cfg, enable_threshold=1.3)

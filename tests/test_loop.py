@@ -7,15 +7,15 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
 from controller.loop import Controller, override_from_file
 from controller.settings import OverrideMode, Settings
 from controller.sources.vllm_metrics import VllmMetricsSource
 from controller.state_store import FileStateStore, MemoryStateStore
+from tests.support import LEGACY_CALIBRATION
 from tests.support.fake_vllm import FakeVllmServer
 
-MODEL = load(example_calibration_path()).latency_model()
+MODEL = load(LEGACY_CALIBRATION).latency_model()
 T0 = 1_800_000_000.0
 
 
@@ -79,7 +79,7 @@ def make(tmp_path=None, store=None, **settings_kw):
     clock = Clock()
     vllm = FakeVllmServer(clock=clock)  # not started: the loop reads render() directly
     hook = FakeLauncher(clock, vllm)
-    base = dict(calibration_file="example", price_switches=False)
+    base = dict(calibration_file=LEGACY_CALIBRATION, price_switches=False)
     base.update(settings_kw)
     settings = Settings(**base)
     registry = CollectorRegistry()

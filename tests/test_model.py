@@ -1,13 +1,12 @@
 """The latency model: hand-computed cases, then properties over random calibrations."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-from dataclasses import replace
 
 from controller.model import (
     LatencyModel,

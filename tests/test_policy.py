@@ -20,10 +20,11 @@ from controller.policy import (
 )
 from controller.settings import OverrideMode, Settings
 from controller.state import ControllerState, PendingChange
+from tests.support import LEGACY_CALIBRATION
 
 T0 = 1_000_000.0
-S = Settings(calibration_file="example", price_switches=False)
-PRICED = Settings(calibration_file="example", price_switches=True, switch_margin=2.0)
+S = Settings(calibration_file=LEGACY_CALIBRATION, price_switches=False)
+PRICED = Settings(calibration_file=LEGACY_CALIBRATION, price_switches=True, switch_margin=2.0)
 AUTO = OverrideMode.AUTO
 
 
@@ -82,7 +83,7 @@ def test_thresholds(enabled, speedup, action, reason):
 
 
 def test_thresholds_are_configurable():
-    s = Settings(calibration_file="example", price_switches=False, enable_threshold=1.5, disable_threshold=1.3)
+    s = Settings(calibration_file=LEGACY_CALIBRATION, price_switches=False, enable_threshold=1.5, disable_threshold=1.3)
     d, _ = decide(s, on_state(), obs(), assessment(1.29), AUTO, T0)
     assert d.action is Action.DISABLE
     d, _ = decide(s, off_state(), obs(), assessment(1.45), AUTO, T0)

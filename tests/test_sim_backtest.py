@@ -11,7 +11,6 @@ import pytest
 
 from controller.calibration import load
 from controller.cli import main
-from controller.commands._common import example_calibration_path
 from controller.errors import InputError
 from controller.observation import FailureReason, Observation, ObservationFailure
 from controller.settings import Settings
@@ -25,6 +24,7 @@ from controller.sim.backtest import (
     replay,
     steps_from_rows,
 )
+from tests.support import LEGACY_CALIBRATION
 from tests.support.prometheus import free_port
 
 HEADER = "time_s,arrival_rate_rps,acceptance_rate,mean_prompt_tokens,mean_gen_tokens,sd_enabled"
@@ -40,7 +40,7 @@ def _no_env(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model():
-    return load(example_calibration_path()).latency_model()
+    return load(LEGACY_CALIBRATION).latency_model()
 
 
 def write_csv(path: Path, rates, sd=1, acceptance=0.6, step_s=60) -> Path:
@@ -84,9 +84,9 @@ def test_replay_disables_under_load_and_enables_after(tmp_path, model):
 
 
 def test_gain_positive_when_the_history_ran_sd_under_load(tmp_path, model):
-    # Short restarts: the switch is cheap next to 40 minutes of SD at 14.9 req/s.
+    # Short restarts: the switch is cheap next to 40 minutes of SD at 14.3 req/s (past break-even).
     s = settings(restart_downtime_s=5)
-    steps = steps_from_rows(read_rows(write_csv(tmp_path / "h.csv", [3.0] * 5 + [14.9] * 40)))
+    steps = steps_from_rows(read_rows(write_csv(tmp_path / "h.csv", [3.0] * 5 + [14.3] * 40)))
     result = replay(s, model, steps)
     assert [r.action for r in result.decisions] == ["disable"]
     assert result.latency_gain_request_s > 0
@@ -151,7 +151,7 @@ def test_replay_leaves_structlog_configuration_alone(tmp_path, model):
 def test_cli_prints_decisions_gain_and_caveat(tmp_path, capsys):
     csv = write_csv(tmp_path / "h.csv", day())
     png = tmp_path / "bt.png"
-    assert main(["backtest", "--csv", str(csv), "--plot", str(png)]) == 0
+    assert main(["backtest", "--csv", str(csv), "--plot", str(png), "--calibration", LEGACY_CALIBRATION]) == 0
     out = capsys.readouterr().out
     assert CAVEAT in out and out.count("open-loop caveat") == 2  # before the table and in the summary
     assert "decisions the controller would have taken" in out

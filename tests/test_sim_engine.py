@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
 from controller.hooks.base import ChangeRequest, HookError, HookPhase
 from controller.model import Workload, predict_point
 from controller.sim.engine import F_ARR, F_FIN, Engine, SimHook, SimulatorDown, tokens_per_step_moments
 from controller.sim.scenarios import Scenario
+from tests.support import LEGACY_CALIBRATION
 
 
 @pytest.fixture(scope="module")
 def model():
-    return load(example_calibration_path()).latency_model()
+    return load(LEGACY_CALIBRATION).latency_model()
 
 
 def scenario(rate, duration=600.0, **engine) -> Scenario:

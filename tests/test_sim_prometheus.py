@@ -25,13 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.calibration import load
 from controller.cli import main
-from controller.commands._common import example_calibration_path
 from controller.observation import Observation
 from controller.settings import Settings
 from controller.sim.backtest import prometheus_steps, replay
 from controller.sim.engine import F_ARR, Engine
 from controller.sim.scenarios import Scenario
 from controller.sim.server import SimulatedServer
+from tests.support import LEGACY_CALIBRATION
 from tests.support.prometheus import free_port
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
@@ -69,7 +69,7 @@ def scenario(high_at_s: float = HIGH_AT_S) -> Scenario:
 
 @pytest.fixture
 def sim():
-    model = load(example_calibration_path()).latency_model()
+    model = load(LEGACY_CALIBRATION).latency_model()
     engine = Engine(scenario(), model, epoch_s=time.time())
     with SimulatedServer(engine, token=TOKEN) as server:
         yield server
@@ -127,7 +127,7 @@ def test_daemon_disables_sd_under_load_through_prometheus(sim, prometheus_server
         "SD_CONTROLLER_LONG_WINDOW_S": "20",
         "SD_CONTROLLER_MAX_OBSERVATION_AGE_S": "15",
         "SD_CONTROLLER_RESTART_DOWNTIME_S": "3",
-        "SD_CONTROLLER_CALIBRATION_FILE": "example",
+        "SD_CONTROLLER_CALIBRATION_FILE": LEGACY_CALIBRATION,
         "SD_CONTROLLER_STATE_FILE": str(tmp_path / "state.json"),
         "SD_CONTROLLER_EXPORTER_HOST": "127.0.0.1",
         "SD_CONTROLLER_EXPORTER_PORT": str(port),
@@ -230,7 +230,7 @@ def test_backtest_reads_simulator_history_from_prometheus(sim, prometheus_server
         "dwell_s": 30,
     }
     settings = Settings(hook_type="none", **values)
-    model = load(example_calibration_path()).latency_model()
+    model = load(LEGACY_CALIBRATION).latency_model()
     steps = prometheus_steps(settings, prom.url, start, end, 1.0)
     assert len(steps) >= 20
 
