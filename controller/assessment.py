@@ -100,6 +100,9 @@ class Assessment:
     projected_gain_request_s: float  # of the other state over the horizon (negative: a loss)
     gain_horizon_s: float = 0.0  # how long the other state is expected to stay right
     congested: bool = False  # the running batch is full with a queue behind it
+    # Prediction interval of the speedup at the projected rate (calibration residuals).
+    speedup_lo: float = math.nan
+    speedup_hi: float = math.nan
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -124,6 +127,8 @@ def assess(
     workload = Workload(
         _first(obs.mean_prompt_tokens, state.last_prompt_tokens, settings.default_prompt_tokens),
         _first(obs.mean_gen_tokens, state.last_gen_tokens, settings.default_gen_tokens),
+        obs.gen_tokens_std,
+        obs.prompt_tokens_std,
     )
     rate = obs.arrival_rate_rps
     if settings.price_switches:
@@ -178,6 +183,10 @@ def assess(
     if congested:
         lat_cur = math.inf
     decision_speedup = eval_p.speedup
+    if not currently_on and settings.enable_on_pessimistic_speedup and not math.isnan(eval_p.speedup_lo):
+        # Enabling is a restart on the model's word: take the end of its interval that argues
+        # against it, so calibration error cannot talk the controller into a loss.
+        decision_speedup = eval_p.speedup_lo
     if congested and currently_on:
         decision_speedup = 0.0  # SD is the state that fell behind
     # The new state pays off until the load trend would switch it back: SD just enabled lasts
@@ -231,6 +240,8 @@ def assess(
         projected_gain_request_s=gain,
         gain_horizon_s=horizon,
         congested=congested,
+        speedup_lo=eval_p.speedup_lo,
+        speedup_hi=eval_p.speedup_hi,
     )
 
 

@@ -71,6 +71,11 @@ class Exporter:
         g = self.gauges = OptionalGauges(r)
         g.define("sd_predicted_speedup", "Predicted T_off / T_on at the observed rate")
         g.define("sd_decision_speedup", "Predicted speedup at the projected rate (compared with the thresholds)")
+        g.define(
+            "sd_predicted_speedup_bound",
+            "Prediction interval of the speedup at the projected rate (calibration residuals)",
+            ("bound",),
+        )
         g.define("sd_acceptance_rate", "Acceptance rate used (accepted/drafted tokens)")
         g.define("sd_acceptance_source", "Which acceptance was used (1 = this one)", ("source",))
         g.define("sd_acceptance_age_seconds", "Age of the acceptance used")
@@ -156,6 +161,9 @@ class Exporter:
         on = bool(state.applied_enabled)
         g("sd_predicted_speedup", a.predicted_speedup)
         g("sd_decision_speedup", a.decision_speedup)
+        for bound, value in (("lo", a.speedup_lo), ("hi", a.speedup_hi)):
+            if math.isfinite(value):
+                g("sd_predicted_speedup_bound", value, bound)
         g("sd_acceptance_rate", a.acceptance.rate)
         for src in AcceptanceSource:
             g("sd_acceptance_source", 1 if src is a.acceptance.source else 0, src.value)

@@ -49,6 +49,8 @@ class Observation:
     mean_draft_tokens: float | None = None  # draft tokens per draft (≤ γ; n-gram may propose fewer)
     mean_prompt_tokens: float | None = None
     mean_gen_tokens: float | None = None
+    prompt_tokens_std: float | None = None  # spread of request lengths (from the histograms)
+    gen_tokens_std: float | None = None
     running: float | None = None
     waiting: float | None = None
     mean_e2e_latency_s: float | None = None
@@ -64,6 +66,8 @@ class Observation:
             "mean_draft_tokens",
             "mean_prompt_tokens",
             "mean_gen_tokens",
+            "prompt_tokens_std",
+            "gen_tokens_std",
             "running",
             "waiting",
             "mean_e2e_latency_s",

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
         60.0, gt=0, description="Seconds between ticks (observe, predict, decide, act)."
     )
     enable_threshold: float = Field(1.2, gt=0, description="Enable SD when the predicted speedup is above this.")
+    enable_on_pessimistic_speedup: bool = Field(
+        True,
+        description="Enable SD only when the pessimistic end of the prediction interval (step costs off by the calibration's residual error) clears enable_threshold.",
+    )
     disable_threshold: float = Field(1.05, gt=0, description="Disable SD when the predicted speedup is below this.")
     dwell_s: float = Field(300.0, ge=0, description="Minimum seconds between two applied changes.")
     pending_timeout_s: float = Field(
