@@ -31,7 +31,7 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -185,9 +185,27 @@ class LatencyModel:
     relative_sd_off: float = 0.0
     relative_sd_on: float = 0.0
 
+    def __hash__(self) -> int:
+        # Curves are cached per model: hash the fields once, not on every lookup.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 _GH3 = ((1.0 / 6.0, -1.0), (2.0 / 3.0, 0.0), (1.0 / 6.0, 1.0))
 MAX_PROMPT_CV = 10.0
+
+
+@functools.lru_cache(maxsize=1024)
+def _prompt_nodes(p: float, sd: float | None) -> tuple[tuple[float, float], ...]:
+    if not sd or p <= 0:
+        return ((1.0, p),)
+    s = math.sqrt(math.log1p(min(sd / p, MAX_PROMPT_CV) ** 2))
+    raw = [(w, math.exp(s * math.sqrt(3.0) * z)) for w, z in _GH3]
+    norm = p / sum(w * x for w, x in raw)  # the nodes keep the measured mean exactly
+    return tuple((w, x * norm) for w, x in raw)
 
 
 @dataclass(frozen=True)
@@ -199,6 +217,7 @@ class Workload:
     gen_tokens_std: float | None = None  # None: not measured, DEFAULT_GEN_CV·G assumed
     prompt_tokens_std: float | None = None  # None: not measured, every prompt taken as the mean
 
+    @property
     def prompt_nodes(self) -> tuple[tuple[float, float], ...]:
         """(weight, prompt tokens) quadrature of the prompt-length distribution.
 
@@ -206,13 +225,7 @@ class Workload:
         not the cost of the mean prompt. Lengths are taken as lognormal with the measured mean
         and spread; three Gauss–Hermite nodes reproduce its first five moments.
         """
-        p, sd = float(self.prompt_tokens), self.prompt_tokens_std
-        if not sd or p <= 0:
-            return ((1.0, p),)
-        s = math.sqrt(math.log1p(min(sd / p, MAX_PROMPT_CV) ** 2))
-        raw = [(w, math.exp(s * math.sqrt(3.0) * z)) for w, z in _GH3]
-        norm = p / sum(w * x for w, x in raw)  # the nodes keep the measured mean exactly
-        return tuple((w, x * norm) for w, x in raw)
+        return _prompt_nodes(float(self.prompt_tokens), self.prompt_tokens_std)
 
     @property
     def gen_tokens_var(self) -> float:
@@ -270,6 +283,24 @@ class _Linear:
                 self.c1 += w
             else:
                 self.hinges.append((at, w))
+
+    def add_marginal(self, cost: StepCost, per_seq: float, nodes: tuple[tuple[float, float], ...]) -> None:
+        """Add E_P[t(per_seq·B + P) − t(per_seq·B)] over the prompt nodes (weight, P).
+
+        The intercept, context and per-sequence terms cancel; the slope leaves b·E[P]; each knee
+        k leaves Σ_n w_n·max(0, per_seq·B + P_n − k) − max(0, per_seq·B − k).
+        """
+        mean_p = sum(w * p for w, p in nodes)
+        self.c0 += cost.slope_s_per_token * mean_p
+        for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
+            for w, extra in (*nodes, (-1.0, 0.0)):
+                m = w * delta
+                at = (knee - extra) / per_seq
+                if at <= 0.0:
+                    self.c0 -= m * per_seq * at
+                    self.c1 += m * per_seq
+                else:
+                    self.hinges.append((at, m * per_seq))
 
     def shifted(self, by: float) -> _Linear:
         """f(B + by) as a function of B."""
@@ -333,19 +364,16 @@ def _mode_pieces(
         step.c0 += model.sd_overhead_s * model.scale_on
     else:
         step.add_pass(target, 1.0, 1.0, 0.0, ctx)
+    nodes = workload.prompt_nodes
     if p > 0:
         if prefill is not None:  # schema-1: stand-alone prefill slope, no mixed-step data
             prompt.c0 += prefill.scalar(p, p) - prefill.intercept_s
         else:
             # The marginal cost of P prompt tokens on a step that already carries k·B tokens,
             # averaged over the prompt-length distribution.
-            for w, pn in workload.prompt_nodes():
-                prompt.add_pass(target, w, k, pn, 0.0, 0.0)
-            prompt.add_pass(target, -1.0, k, 0.0, 0.0, 0.0)
+            prompt.add_marginal(target, k, nodes)
         if sd and model.draft_prefills and not draft.is_zero:
-            for w, pn in workload.prompt_nodes():
-                prompt.add_pass(draft, w, 1.0, pn, 0.0, 0.0)
-            prompt.add_pass(draft, -1.0, 1.0, 0.0, 0.0, 0.0)
+            prompt.add_marginal(draft, 1.0, nodes)
     steps = (g - 1.0) / accepted_length
     # A request shares its steps with the B = λ·T others (Poisson arrivals see the time average)
     # and with itself: its steps run at batch B + 1, which matters at low load.
@@ -712,8 +740,8 @@ class BreakEven:
     always_above: bool
 
 
-BREAK_EVEN_GRID = 32  # rates scanned to bracket the first crossing
-BREAK_EVEN_REL_TOL = 1e-6
+BREAK_EVEN_GRID = 16  # rates scanned to bracket the first crossing
+BREAK_EVEN_REL_TOL = 1e-5
 
 
 def break_even_rates(
@@ -727,7 +755,7 @@ def break_even_rates(
     """Lowest rate at which the speedup drops below each threshold.
 
     A grid over [0, first stability limit) brackets the first crossing, bisection refines it
-    to 1e-6 relative. Past SD's own limit the speedup is 0, so SD overloading first is a
+    to 1e-5 relative. Past SD's own limit the speedup is 0, so SD overloading first is a
     crossing at μ_on.
     """
     off, on = curves(model, alpha, draft_length, workload, accepted_length)

@@ -83,7 +83,7 @@ def test_break_even_by_hand():
     b0, b1 = n * 0.014, n * 0.002
     lam = (a0 - b0) / (a0 * b1 - b0 * a1)
     be = break_even_rates(simple(), 0.5, 1, W, thresholds=(1.0,))[1.0]
-    assert be.rate_rps == pytest.approx(lam, rel=1e-5)
+    assert be.rate_rps == pytest.approx(lam, rel=1e-4)
     p = predict_point(simple(), lam, 0.5, 1, W)
     assert p.latency_off_s == pytest.approx(p.latency_on_s, rel=1e-9)
 
@@ -132,7 +132,7 @@ def test_prompt_length_spread_averages_the_marginal_cost():
     target = StepCost(0.010, 0.001, (400.0,), (-0.0008,))
     m = LatencyModel(target=target, max_num_seqs=BIG)
     fixed, spread = Workload(500, 100, 0.0, 0.0), Workload(500, 100, 0.0, 300.0)
-    nodes = spread.prompt_nodes()
+    nodes = spread.prompt_nodes
     assert sum(w for w, _ in nodes) == pytest.approx(1.0)
     assert sum(w * p for w, p in nodes) == pytest.approx(500.0)
     assert curves(m, 0.5, 1, spread)[0].prompt(3.0) < curves(m, 0.5, 1, fixed)[0].prompt(3.0)
@@ -361,7 +361,7 @@ def test_break_even_is_where_speedup_crosses(model, workload, alpha, gamma):
             rates = np.linspace(0, lim_off * 0.999, 50)
             assert np.all(predict(model, rates, alpha, gamma, workload).speedup >= th - 1e-9)
         elif be.rate_rps > 1e-9:
-            eps = 1e-6 * be.rate_rps
+            eps = 1e-4 * be.rate_rps  # bisection stops at 1e-5 relative
             below = speedup_point(model, be.rate_rps - eps, alpha, gamma, workload)
             above = speedup_point(model, be.rate_rps + eps, alpha, gamma, workload)
             assert below >= th - 1e-6 and above <= th + 1e-6
