@@ -1,0 +1,69 @@
+"""Benchmark: the latency model's fidelity against an independent ground truth.
+
+The truth is the step-level vLLM simulation in controller/sim (stepsim.py, costs from the
+roofline in gpu.py: Llama-3.1-8B target, Llama-3.2-1B draft, H100, max_num_seqs 256, 8192-token
+step budget). The controller reaches it only as a user reaches a real server: micro-benchmarks
+(SD off; SD at γ = 2 and 4) → CSV → ``calibrate``; constant-rate load tests (chat, code, mixed,
+long prompts; 600 s per rate) → CSV → ``validate``. Prints per workload and mode the mean and
+worst error on the runs that were not saturated, whether every saturated run was predicted
+overloaded, stability limits and break-even rates; asserts nothing. About 15 minutes.
+
+    python bench/bench_fidelity.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from controller.commands.validate import to_dict
+from controller.sim import fidelity
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="120 s per rate, chat only (a smoke run)")
+    ap.add_argument("--out", type=Path, default=Path("fidelity-out"), help="where CSVs and the report go")
+    args = ap.parse_args()
+    load = fidelity.LoadSettings(duration_s=600.0, rates=(1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20))
+    if args.quick:
+        load = fidelity.LoadSettings(duration_s=120.0, rates=(1, 4, 8, 12), workloads=("chat",))
+    started = time.monotonic()
+    run = fidelity.run(load=load, workdir=args.out, log=lambda m: print(f"  {m}", flush=True))
+    print(f"done in {time.monotonic() - started:.0f} s; CSVs and calibration.json in {args.out}/")
+    errors, worst, flagged, limits, bes = [], 0.0, True, [], []
+    for workload, rep in run.reports.items():
+        print(f"\n{workload}:")
+        for m in rep.modes:
+            lo, hi = m.limit_measured_rps
+            mae = "-" if m.mean_abs_error is None else f"{m.mean_abs_error * 100:.1f} %"
+            worst_m = "-" if m.worst_error is None else f"{m.worst_error * 100:+.1f} %"
+            print(
+                f"  {m.mode:8s} runs {m.runs:2d}  mean |error| {mae:>7s}  worst {worst_m:>8s}  saturated flagged"
+                f" {m.saturated_flagged}/{m.saturated_runs}  limit predicted {m.limit_predicted_rps:.2f}"
+                f" measured ({lo}, {hi})"
+            )
+            if m.limit_error is not None:
+                limits.append(abs(m.limit_error))
+        for be in rep.break_even:
+            print(f"  break-even γ={be.draft_length}: predicted {be.predicted_rps} measured {be.measured_rps}")
+            if be.error is not None:
+                bes.append(abs(be.error))
+        errors += [abs(c.error) for c in rep.rows if c.error is not None]
+        worst = max([worst, *(abs(c.error) for c in rep.rows if c.error is not None)])
+        flagged = flagged and rep.saturated_all_flagged
+    mae = sum(errors) / len(errors) if errors else math.nan
+    print(
+        f"\nall workloads: {len(errors)} steady runs, mean |error| {mae * 100:.1f} %, worst {worst * 100:.1f} %;"
+        f" every saturated run flagged: {'yes' if flagged else 'NO'}; worst stability-limit error"
+        f" {max(limits, default=0) * 100:.1f} %; worst break-even error {max(bes, default=0) * 100:.1f} %"
+    )
+    report = {w: to_dict(r) for w, r in run.reports.items()}
+    (args.out / "fidelity.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+
+
+if __name__ == "__main__":
+    main()

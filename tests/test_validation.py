@@ -1,0 +1,430 @@
+"""validate(): per-run errors, per-mode summaries, stability-limit brackets, measured break-even,
+and the ``sd-controller validate`` command around it.
+
+Load rows are built by hand around a small model whose predictions the test computes itself
+with :func:`predict_point`, so every expected error is exact.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller import calibration as cal_mod
+from controller.acceptance import alpha_from_vllm_rate
+from controller.calibration import LOAD_COLUMNS, LOAD_OPTIONAL_COLUMNS, LoadRow
+from controller.cli import main
+from controller.model import LatencyModel, StepCost, Workload, break_even_rates, curves, predict_point
+from controller.synthetic import bench_rows
+from controller.validation import RowCheck, validate
+
+MODEL = LatencyModel(target=StepCost(0.010, 0.001), draft=StepCost(0.002, 0.0001), max_num_seqs=64)
+GAMMA = 4
+ACCEPTANCE_RATE = 0.6  # vLLM's accepted / drafted
+ALPHA = float(alpha_from_vllm_rate(ACCEPTANCE_RATE, GAMMA))
+PROMPT, GEN, GEN_STD = 100.0, 50.0, 50.0
+WORKLOAD = Workload(PROMPT, GEN, GEN_STD, None)
+
+
+def predicted(rate: float, sd: bool, model: LatencyModel = MODEL) -> float:
+    p = predict_point(model, rate, ALPHA, GAMMA, WORKLOAD)
+    return p.latency_on_s if sd else p.latency_off_s
+
+
+def row(rate: float, sd: bool, measured_s: float, saturated: bool | None = None, line: int = 0) -> LoadRow:
+    return LoadRow(
+        rate=rate,
+        sd=sd,
+        draft_length=GAMMA if sd else 0,
+        acceptance_rate=ACCEPTANCE_RATE if sd else 0.0,
+        mean_e2e_s=measured_s,
+        mean_prompt_tokens=PROMPT,
+        mean_gen_tokens=GEN,
+        line=line,
+        gen_tokens_std=GEN_STD,
+        saturated=saturated,
+    )
+
+
+def off_limit() -> float:
+    off, _ = curves(MODEL, ALPHA, GAMMA, WORKLOAD)
+    return off.stability_limit_rps
+
+
+def test_the_model_has_the_shape_these_tests_assume():
+    # Off limit ≈ 6.2 req/s, SD's ≈ 4.9, SD faster at low load, slower from ≈ 3.1 req/s.
+    off, on = curves(MODEL, ALPHA, GAMMA, WORKLOAD)
+    assert 6.0 < off.stability_limit_rps < 6.5
+    assert 4.7 < on.stability_limit_rps < 5.1
+    assert predicted(1.0, True) < predicted(1.0, False)
+    assert predicted(4.0, True) > predicted(4.0, False)
+    assert math.isinf(predicted(7.0, False))
+
+
+# --------------------------------------------------------------------------------------------
+# Per run
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sd", [False, True])
+@pytest.mark.parametrize("rate", [0.5, 2.0, 3.5])
+def test_error_is_predicted_minus_measured_over_measured(rate, sd):
+    pred = predicted(rate, sd)
+    over = validate(MODEL, [row(rate, sd, pred / 1.05)]).rows[0]
+    assert over.predicted_s == pytest.approx(pred, rel=1e-12)
+    assert over.error == pytest.approx(0.05, rel=1e-9)  # predicts 5 % too high
+    under = validate(MODEL, [row(rate, sd, pred * 1.05)]).rows[0]
+    assert under.error == pytest.approx(1 / 1.05 - 1, rel=1e-9)  # −4.76 %: measured 5 % above
+    assert over.mode == ("on(γ=4)" if sd else "off")
+    assert not over.predicted_overloaded and not over.measured_saturated
+
+
+def test_off_rows_use_the_off_curve_whatever_their_acceptance_columns():
+    # An SD-off row carries no γ; its prediction is the plain target's latency.
+    r = LoadRow(2.0, False, 0, 0.0, 1.0, PROMPT, GEN, 0, GEN_STD)
+    assert validate(MODEL, [r]).rows[0].predicted_s == pytest.approx(predicted(2.0, False), rel=1e-12)
+
+
+def test_interval_brackets_the_prediction_when_calibration_has_residuals():
+    noisy = LatencyModel(
+        target=MODEL.target, draft=MODEL.draft, max_num_seqs=64, relative_sd_off=0.05, relative_sd_on=0.05
+    )
+    c = validate(noisy, [row(2.0, True, 1.0)]).rows[0]
+    assert c.predicted_lo_s < c.predicted_s < c.predicted_hi_s
+    exact = validate(MODEL, [row(2.0, True, 1.0)]).rows[0]
+    assert exact.predicted_lo_s == pytest.approx(exact.predicted_s, rel=1e-12)
+    assert exact.predicted_hi_s == pytest.approx(exact.predicted_s, rel=1e-12)
+
+
+def test_saturated_run_has_no_error_and_is_flagged_only_if_predicted_overloaded():
+    rep = validate(
+        MODEL,
+        [
+            row(1.0, False, predicted(1.0, False) / 1.05),
+            row(7.0, False, 50.0, saturated=True),  # model: overloaded → flagged
+            row(2.0, False, 50.0, saturated=True),  # model: fine → not flagged
+        ],
+    )
+    ok, flagged, missed = rep.rows
+    assert ok.error == pytest.approx(0.05, rel=1e-9)
+    assert flagged.error is None and flagged.predicted_overloaded and flagged.measured_saturated
+    assert missed.error is None and not missed.predicted_overloaded and missed.measured_saturated
+    assert not rep.saturated_all_flagged
+    (mode,) = rep.modes
+    assert (mode.runs, mode.saturated_runs, mode.saturated_flagged, mode.false_overloads) == (3, 2, 1, 0)
+    # The 50 s the saturated runs "measured" never reaches an error figure.
+    assert mode.mean_abs_error == pytest.approx(0.05, rel=1e-9)
+    assert mode.worst_error == pytest.approx(0.05, rel=1e-9)
+    assert rep.mean_abs_error == pytest.approx(0.05, rel=1e-9)
+    assert rep.worst_abs_error == pytest.approx(0.05, rel=1e-9)
+    assert validate(MODEL, [row(7.0, False, 50.0, saturated=True)]).saturated_all_flagged
+
+
+def test_steady_run_the_model_calls_overloaded_is_a_false_overload_without_error():
+    rep = validate(MODEL, [row(7.0, False, 3.0, saturated=False), row(8.0, False, 4.0)])
+    assert [c.error for c in rep.rows] == [None, None]
+    assert all(c.predicted_overloaded for c in rep.rows)
+    (mode,) = rep.modes
+    assert mode.false_overloads == 2
+    assert mode.mean_abs_error is None and mode.worst_error is None
+    assert rep.mean_abs_error is None and rep.worst_abs_error is None
+    assert rep.saturated_all_flagged  # vacuously: nothing saturated
+
+
+# --------------------------------------------------------------------------------------------
+# Per mode
+# --------------------------------------------------------------------------------------------
+
+
+def test_mode_summary_mean_and_signed_worst():
+    errors = {1.0: 0.05, 2.0: -0.10, 3.0: 0.02}
+    rows = [row(r, False, predicted(r, False) / (1 + e)) for r, e in errors.items()]
+    rows += [row(r, True, predicted(r, True) / (1 + e)) for r, e in ((1.0, 0.01), (2.0, 0.03))]
+    rep = validate(MODEL, rows)
+    assert [m.mode for m in rep.modes] == ["off", "on(γ=4)"]
+    off, on = rep.modes
+    assert off.runs == 3 and on.runs == 2
+    assert off.mean_abs_error == pytest.approx((0.05 + 0.10 + 0.02) / 3, rel=1e-9)
+    assert off.worst_error == pytest.approx(-0.10, rel=1e-9)  # signed: the model was 10 % low
+    assert on.mean_abs_error == pytest.approx(0.02, rel=1e-9)
+    assert on.worst_error == pytest.approx(0.03, rel=1e-9)
+    assert rep.mean_abs_error == pytest.approx((0.05 + 0.10 + 0.02 + 0.01 + 0.03) / 5, rel=1e-9)
+    assert rep.worst_abs_error == pytest.approx(0.10, rel=1e-9)
+    assert [c.row.rate for c in rep.rows] == [1.0, 2.0, 3.0, 1.0, 2.0]  # input order kept
+
+
+def test_draft_lengths_are_separate_modes():
+    r2 = LoadRow(1.0, True, 2, ACCEPTANCE_RATE, 1.0, PROMPT, GEN, 0, GEN_STD)
+    r4 = row(1.0, True, 1.0)
+    rep = validate(MODEL, [r4, r2])
+    assert [m.mode for m in rep.modes] == ["on(γ=2)", "on(γ=4)"]
+    alpha2 = float(alpha_from_vllm_rate(ACCEPTANCE_RATE, 2))
+    assert rep.rows[1].predicted_s == pytest.approx(predict_point(MODEL, 1.0, alpha2, 2, WORKLOAD).latency_on_s)
+
+
+@pytest.mark.parametrize(
+    ("steady", "saturated", "bracket"),
+    [
+        ((1.0, 2.0, 4.0), (7.0, 8.0), (4.0, 7.0)),  # limit 6.2 inside
+        ((1.0, 2.0, 4.0), (), (4.0, None)),  # never saturated, limit above the highest rate
+        ((), (7.0,), (None, 7.0)),  # only a saturated run, limit below it
+    ],
+)
+def test_limit_inside_the_measured_bracket_has_zero_error(steady, saturated, bracket):
+    rows = [row(r, False, 1.0) for r in steady] + [row(r, False, 50.0, saturated=True) for r in saturated]
+    (mode,) = validate(MODEL, rows).modes
+    assert mode.limit_measured_rps == bracket
+    assert mode.limit_predicted_rps == pytest.approx(off_limit(), rel=1e-12)
+    assert mode.limit_error == 0.0
+
+
+def test_limit_outside_the_bracket_is_the_relative_distance_to_its_edge():
+    limit = off_limit()
+    # Saturated already at 3 req/s: the model's limit is too high, by its distance from 3.
+    (high,) = validate(MODEL, [row(1.0, False, 1.0), row(3.0, False, 50.0, saturated=True)]).modes
+    assert high.limit_measured_rps == (1.0, 3.0)
+    assert high.limit_error == pytest.approx((limit - 3.0) / 3.0, rel=1e-12)
+    # Still steady at 8 req/s: the model's limit is too low.
+    (low,) = validate(MODEL, [row(2.0, False, 1.0), row(8.0, False, 5.0, saturated=False)]).modes
+    assert low.limit_measured_rps == (8.0, None)
+    assert low.limit_error == pytest.approx((limit - 8.0) / 8.0, rel=1e-12)
+    assert low.limit_error < 0 < high.limit_error
+
+
+def test_bracket_uses_highest_steady_and_lowest_saturated_rate_in_any_order():
+    rows = [
+        row(8.0, False, 50.0, saturated=True),
+        row(2.0, False, 1.0),
+        row(6.5, False, 50.0, saturated=True),
+        row(5.0, False, 1.0),
+        row(1.0, False, 1.0),
+    ]
+    (mode,) = validate(MODEL, rows).modes
+    assert mode.limit_measured_rps == (5.0, 6.5)
+    assert mode.limit_error == 0.0  # 6.2 is inside
+
+
+def test_unrecorded_saturation_counts_as_steady():
+    (mode,) = validate(MODEL, [row(1.0, False, 1.0), row(2.0, False, 1.0, saturated=None)]).modes
+    assert mode.saturated_runs == 0
+    assert mode.limit_measured_rps == (2.0, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Break-even
+# --------------------------------------------------------------------------------------------
+
+
+def speedup_rows(speedups: dict[float, float | str]) -> list[LoadRow]:
+    """Off runs at 1 s; SD runs at 1/speedup, or saturated ('on-sat', 'off-sat', 'both-sat')."""
+    rows = []
+    for rate, s in speedups.items():
+        rows.append(row(rate, False, 1.0, saturated=s in ("off-sat", "both-sat")))
+        if isinstance(s, str):
+            rows.append(row(rate, True, 1.0, saturated=s in ("on-sat", "both-sat")))
+        else:
+            rows.append(row(rate, True, 1.0 / s))
+    return rows
+
+
+def predicted_break_even() -> float:
+    be = break_even_rates(MODEL, ALPHA, GAMMA, WORKLOAD, thresholds=(1.0,))[1.0].rate_rps
+    assert be is not None
+    return be
+
+
+def test_measured_break_even_interpolates_the_first_crossing():
+    rep = validate(MODEL, speedup_rows({1.0: 1.25, 2.0: 1.1, 3.0: 0.9, 4.0: 1.2, 5.0: 0.5}))
+    (be,) = rep.break_even
+    assert be.draft_length == GAMMA
+    # Speedup 1.1 at 2, 0.9 at 3: crosses 1 halfway. The later recovery above 1 is ignored.
+    assert be.measured_rps == pytest.approx(2.5, rel=1e-12)
+    assert be.predicted_rps == pytest.approx(predicted_break_even(), rel=1e-9)
+    assert 3.0 < be.predicted_rps < 3.2
+    assert be.error == pytest.approx((be.predicted_rps - 2.5) / 2.5, rel=1e-9)
+
+
+def test_measured_break_even_ignores_row_order():
+    rows = speedup_rows({1.0: 1.5, 3.0: 0.5, 2.0: 1.2})
+    (be,) = validate(MODEL, list(reversed(rows))).break_even
+    assert be.measured_rps == pytest.approx(2.0 + 0.2 / 0.7, rel=1e-12)
+
+
+def test_speedup_below_one_at_the_lowest_rate_is_break_even_there():
+    (be,) = validate(MODEL, speedup_rows({1.0: 0.8, 2.0: 0.7})).break_even
+    assert be.measured_rps == 1.0
+
+
+def test_never_crossed_within_the_measured_rates():
+    (be,) = validate(MODEL, speedup_rows({1.0: 1.3, 2.0: 1.2, 3.0: 1.01})).break_even
+    assert be.measured_rps is None and be.error is None
+    assert be.predicted_rps == pytest.approx(predicted_break_even(), rel=1e-9)
+
+
+def test_sd_saturating_first_is_a_crossing_toward_zero_speedup():
+    # SD saturated at 3 while off is steady: speedup 0 there, linear from 1.1 at 2.
+    (be,) = validate(MODEL, speedup_rows({1.0: 1.2, 2.0: 1.1, 3.0: "on-sat"})).break_even
+    assert be.measured_rps == pytest.approx(2.0 + 0.1 / 1.1, rel=1e-12)
+
+
+def test_only_sd_keeping_up_is_not_a_crossing_and_both_saturated_is_dropped():
+    (be,) = validate(MODEL, speedup_rows({1.0: 1.2, 2.0: "off-sat", 3.0: "both-sat"})).break_even
+    assert be.measured_rps is None
+    # Off saturated (speedup +inf) then SD below 1: the crossing is the later rate itself.
+    (be,) = validate(MODEL, speedup_rows({1.0: 1.2, 2.0: "off-sat", 3.0: 0.5})).break_even
+    assert be.measured_rps == 3.0
+
+
+def test_break_even_needs_two_paired_rates():
+    rows = [row(1.0, False, 1.0), row(1.0, True, 0.8), row(2.0, True, 0.9)]  # SD at 2 has no off run
+    assert validate(MODEL, rows).break_even == ()
+    assert validate(MODEL, [row(1.0, False, 1.0), row(2.0, False, 1.0)]).break_even == ()
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def calibration_file(tmp_path: Path) -> Path:
+    cal = cal_mod.calibrate(bench_rows(MODEL, batch_sizes=(1, 2, 4, 8, 16, 32, 64), iterations=12, seed=3))
+    path = tmp_path / "cal.json"
+    cal_mod.save(cal, path)
+    return path
+
+
+def write_load_csv(path: Path, rows: list[dict[str, object]]) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=[*LOAD_COLUMNS, *LOAD_OPTIONAL_COLUMNS])
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    return path
+
+
+def csv_row(rate: float, sd: bool, measured_s: float, saturated: bool = False) -> dict[str, object]:
+    return {
+        "rate": rate,
+        "sd": "on" if sd else "off",
+        "draft_length": GAMMA if sd else 0,
+        "acceptance_rate": ACCEPTANCE_RATE if sd else "",
+        "mean_e2e_s": repr(measured_s),
+        "mean_prompt_tokens": PROMPT,
+        "mean_gen_tokens": GEN,
+        "gen_tokens_std": GEN_STD,
+        "prompt_tokens_std": "",
+        "saturated": 1 if saturated else 0,
+    }
+
+
+def run_cli(monkeypatch: pytest.MonkeyPatch, *argv: str) -> int:
+    monkeypatch.setattr(sys, "argv", ["sd-controller"])  # main() rewrites it; restored after the test
+    return main(["validate", *argv])
+
+
+@pytest.fixture
+def load_csv(tmp_path: Path, calibration_file: Path) -> Path:
+    """Runs measured 5 % below the calibration's predictions (error +5 % each), one saturated."""
+    model = cal_mod.load(calibration_file).latency_model()
+    rows = [csv_row(r, sd, predicted(r, sd, model) / 1.05) for sd in (False, True) for r in (1.0, 2.0, 3.0, 4.0)]
+    rows.append(csv_row(9.0, False, 120.0, saturated=True))
+    return write_load_csv(tmp_path / "load.csv", rows)
+
+
+def test_cli_json_report(monkeypatch, capsys, calibration_file, load_csv):
+    assert run_cli(monkeypatch, str(calibration_file), str(load_csv), "--json") == 0
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    model = cal_mod.load(calibration_file).latency_model()
+    assert report["mean_abs_error"] == pytest.approx(0.05, rel=1e-9)
+    assert report["worst_abs_error"] == pytest.approx(0.05, rel=1e-9)
+    assert report["saturated_all_flagged"] is True
+    rows = report["rows"]
+    assert [r["line"] for r in rows] == list(range(2, 11))
+    assert [r["mode"] for r in rows] == ["off"] * 4 + ["on(γ=4)"] * 4 + ["off"]
+    for r in rows[:8]:
+        assert r["error"] == pytest.approx(0.05, rel=1e-9)
+        assert r["predicted_s"] == pytest.approx(predicted(r["rate_rps"], r["mode"] != "off", model), rel=1e-12)
+        assert r["predicted_overloaded"] is False and r["measured_saturated"] is False
+    sat = rows[8]
+    assert sat["rate_rps"] == 9.0 and sat["measured_s"] == 120.0
+    assert sat["measured_saturated"] is True and sat["predicted_overloaded"] is True
+    assert sat["predicted_s"] is None and sat["error"] is None  # +inf is not JSON
+    assert sat["predicted_interval_s"] == [None, None]
+    off, on = report["modes"]
+    assert (off["mode"], off["runs"], off["saturated_runs"], off["saturated_flagged"]) == ("off", 5, 1, 1)
+    assert off["limit_measured_rps"] == [4.0, 9.0]
+    assert off["limit_error"] == 0.0
+    limit_off, _ = curves(model, ALPHA, GAMMA, WORKLOAD)
+    assert off["limit_predicted_rps"] == pytest.approx(limit_off.stability_limit_rps, rel=1e-12)
+    assert (on["mode"], on["runs"], on["mean_abs_error"]) == ("on(γ=4)", 4, pytest.approx(0.05, rel=1e-9))
+    assert on["limit_measured_rps"] == [4.0, None]
+    (be,) = report["break_even"]
+    assert be["draft_length"] == GAMMA
+    expected_be = break_even_rates(model, ALPHA, GAMMA, WORKLOAD, thresholds=(1.0,))[1.0].rate_rps
+    assert be["predicted_rps"] == pytest.approx(expected_be, rel=1e-9)
+    # Measured latencies are the predictions scaled alike, so the measured speedup is the
+    # predicted one at each rate: SD ahead at 3 req/s and behind at 4 on this calibration.
+    assert 3.0 < be["measured_rps"] < 4.0
+
+
+def test_cli_plot_writes_a_png(monkeypatch, capsys, tmp_path, calibration_file, load_csv):
+    png = tmp_path / "out.png"
+    assert run_cli(monkeypatch, str(calibration_file), str(load_csv), "--json", "--plot", str(png)) == 0
+    json.loads(capsys.readouterr().out)  # --plot does not spoil the JSON on stdout
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 5000
+
+
+def test_cli_table_output(monkeypatch, capsys, calibration_file, load_csv):
+    assert run_cli(monkeypatch, str(calibration_file), str(load_csv)) == 0
+    out = capsys.readouterr().out
+    assert "+5.0 %" in out
+    assert "saturated (flagged)" in out
+    assert "every saturated run flagged: yes" in out
+
+
+@pytest.mark.parametrize(
+    ("line", "mutate", "needle"),
+    [
+        (3, {"rate": "fast"}, "column rate"),
+        (2, {"sd": "maybe"}, "column sd"),
+        (4, {"saturated": "perhaps"}, "column saturated"),
+        (3, {"acceptance_rate": "1.5", "sd": "on", "draft_length": 4}, "acceptance_rate"),
+    ],
+)
+def test_cli_bad_csv_exits_2_with_one_line_naming_file_and_line(
+    monkeypatch, capsys, tmp_path, calibration_file, line, mutate, needle
+):
+    rows = [csv_row(r, False, 1.0) for r in (1.0, 2.0, 3.0)]
+    rows[line - 2] = {**rows[line - 2], **mutate}
+    bad = write_load_csv(tmp_path / "bad.csv", rows)
+    assert run_cli(monkeypatch, str(calibration_file), str(bad), "--json") == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert "\n" not in err
+    assert f"{bad}:{line}:" in err
+    assert needle in err
+
+
+def test_cli_missing_column_names_the_file(monkeypatch, capsys, tmp_path, calibration_file):
+    bad = tmp_path / "short.csv"
+    bad.write_text("rate,sd\n1,off\n", encoding="utf-8")
+    assert run_cli(monkeypatch, str(calibration_file), str(bad)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(bad) in err and "mean_e2e_s" in err
+
+
+def test_rowcheck_is_a_value():
+    c = validate(MODEL, [row(1.0, False, 1.0)]).rows[0]
+    assert isinstance(c, RowCheck)
+    with pytest.raises(AttributeError):
+        c.error = 0.0  # type: ignore[misc]
