@@ -476,7 +476,9 @@ def drop_warmup(rows: Iterable[BenchRow], warmup: int, where: str = "bench") -> 
         if r.phase == "kv_cache":
             kept.append(r)
             continue
-        groups[(r.source, r.phase, r.draft_length, r.batch_size, r.tokens_per_seq, r.context_len, r.chunk_tokens)].append(r)
+        groups[
+            (r.source, r.phase, r.draft_length, r.batch_size, r.tokens_per_seq, r.context_len, r.chunk_tokens)
+        ].append(r)
     for (_, phase, gamma, batch, tps, ctx, chunk), group in groups.items():
         group.sort(key=lambda r: r.iteration)
         if len(group) <= warmup:
@@ -676,9 +678,7 @@ def _add_knee(
         edges = [-math.inf, *knees, math.inf]
         lo = max(e for e in edges if e < k)
         hi = min(e for e in edges if e > k)
-        return (
-            int(np.sum((xs < k) & (xs > lo))) >= KNEE_MIN_SIDE and int(np.sum((xs > k) & (xs < hi))) >= KNEE_MIN_SIDE
-        )
+        return int(np.sum((xs < k) & (xs > lo))) >= KNEE_MIN_SIDE and int(np.sum((xs > k) & (xs < hi))) >= KNEE_MIN_SIDE
 
     cands = [k for k in mids if room(k)]
     if not cands:
@@ -701,8 +701,14 @@ def _add_knee(
     gain_bic = _bic(n, base.sse, params) - _bic(n, best.sse, params + 2)
     gain_sse = 1.0 - best.sse / max(base.sse, 1e-300)
     if len(best.spec.knees) <= len(knees) or gain_bic < KNEE_MIN_BIC_GAIN or gain_sse < KNEE_MIN_SSE_GAIN:
-        return None, k_best, f"no knee {len(knees) + 1}: best at {k_best:.0f} tokens gains BIC {gain_bic:.1f}, error {gain_sse * 100:.0f} %"
-    inside = [j for j, (f, _) in enumerate(scans) if n * math.log(max(f.sse, 1e-300) / max(best.sse, 1e-300)) <= KNEE_LR_CHI2]
+        return (
+            None,
+            k_best,
+            f"no knee {len(knees) + 1}: best at {k_best:.0f} tokens gains BIC {gain_bic:.1f}, error {gain_sse * 100:.0f} %",
+        )
+    inside = [
+        j for j, (f, _) in enumerate(scans) if n * math.log(max(f.sse, 1e-300) / max(best.sse, 1e-300)) <= KNEE_LR_CHI2
+    ]
     j_lo, j_hi = (min(inside), max(inside)) if inside else (i, i)
     interval = (min(cands[max(j_lo - 1, 0)], k_best), max(cands[min(j_hi + 1, len(cands) - 1)], k_best))
     new_knees = [
@@ -835,9 +841,16 @@ def fit_draft(
     _require_batches(verify, "phase verify (SD steps, on the server with SD)", where)
     samples, measured = [], []
     for r in sd_rows:
-        known = 0.0 if r.phase == "draft" else sum(c * target.scalar(x, z, q) for c, x, z, q in target_passes(r, budget))
+        known = (
+            0.0 if r.phase == "draft" else sum(c * target.scalar(x, z, q) for c, x, z, q in target_passes(r, budget))
+        )
         samples.append(
-            _Sample(draft_passes(r, budget), r.latency_s - known, 1.0 / max(r.latency_s, 1e-9), r.phase in ("verify", "mixed"))
+            _Sample(
+                draft_passes(r, budget),
+                r.latency_s - known,
+                1.0 / max(r.latency_s, 1e-9),
+                r.phase in ("verify", "mixed"),
+            )
         )
         measured.append(r.latency_s)
     gammas = sorted({r.draft_length for r in verify})
@@ -870,7 +883,9 @@ def fit_phases(
     draft, overhead, _draft_prefill = fit_draft(kept, target.step_cost(), budget, where)
     unc = Uncertainty(
         relative_sd_off=min(target.fit.relative_rmse if target.fit else 0.0, 1.0),
-        relative_sd_on=min(max(draft.fit.relative_rmse if draft.fit else 0.0, target.fit.relative_rmse if target.fit else 0.0), 1.0),
+        relative_sd_on=min(
+            max(draft.fit.relative_rmse if draft.fit else 0.0, target.fit.relative_rmse if target.fit else 0.0), 1.0
+        ),
     )
     phases = Phases(target=target, draft=draft, sd_overhead_s=overhead, draft_prefills=True)
     return phases, unc

@@ -264,7 +264,9 @@ class _Linear:
         self.c1 = 0.0
         self.hinges: list[tuple[float, float]] = []
 
-    def add_pass(self, cost: StepCost, mult: float, per_seq: float, extra: float, ctx: float, seqs: float = 1.0) -> None:
+    def add_pass(
+        self, cost: StepCost, mult: float, per_seq: float, extra: float, ctx: float, seqs: float = 1.0
+    ) -> None:
         """Add ``mult`` passes of ``cost`` over ``per_seq·B + extra`` tokens of ``seqs·B``
         sequences reading ``B·ctx`` KV tokens."""
         if mult == 0.0:
@@ -664,7 +666,9 @@ def predict_point(
 def speedup_point(model: LatencyModel, rate_rps: float, alpha: float, draft_length: int, workload: Workload) -> float:
     """Scalar speedup T_off / T_on at one point (see :class:`Prediction` for overload)."""
     off, on = curves(model, alpha, draft_length, workload)
-    return _speedup_from(off.latency_s(rate_rps), on.latency_s(rate_rps), off.stability_limit_rps, on.stability_limit_rps)
+    return _speedup_from(
+        off.latency_s(rate_rps), on.latency_s(rate_rps), off.stability_limit_rps, on.stability_limit_rps
+    )
 
 
 @dataclass(frozen=True)
@@ -706,11 +710,15 @@ def predict(
     if np.any(rate < 0) or not np.all(np.isfinite(rate)):
         raise ValueError("arrival rate must be finite and >= 0")
     en_in = np.nan if accepted_length is None else accepted_length
-    r, a, g, e = np.broadcast_arrays(rate, np.asarray(alpha, dtype=float), np.asarray(draft_length), np.asarray(en_in, dtype=float))
+    r, a, g, e = np.broadcast_arrays(
+        rate, np.asarray(alpha, dtype=float), np.asarray(draft_length), np.asarray(en_in, dtype=float)
+    )
     out = np.empty((9, *r.shape))
     for idx in np.ndindex(r.shape):
         gamma = int(g[idx])
-        p = predict_point(model, float(r[idx]), float(a[idx]), gamma, workload, None if math.isnan(e[idx]) else float(e[idx]))
+        p = predict_point(
+            model, float(r[idx]), float(a[idx]), gamma, workload, None if math.isnan(e[idx]) else float(e[idx])
+        )
         out[(slice(None), *idx)] = (
             p.latency_off_s, p.batch_off, p.stability_limit_off_rps,
             p.latency_on_s, p.batch_on, p.stability_limit_on_rps,

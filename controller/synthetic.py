@@ -83,5 +83,14 @@ def write_bench_csv(rows: Sequence[BenchRow], path: str | Path) -> None:
         w.writerow((*BENCH_COLUMNS, *BENCH_OPTIONAL_COLUMNS))
         for r in rows:
             w.writerow(
-                [r.phase, r.batch_size, r.tokens_per_seq, r.context_len, r.iteration, repr(r.latency_s), r.draft_length, r.chunk_tokens]
+                [
+                    r.phase,
+                    r.batch_size,
+                    r.tokens_per_seq,
+                    r.context_len,
+                    r.iteration,
+                    repr(r.latency_s),
+                    r.draft_length,
+                    r.chunk_tokens,
+                ]
             )

@@ -159,5 +159,7 @@ def test_oscillating_load_is_judged_by_its_recent_peak():
     )
     a = assess(MODEL, S, off, trough, False, None, T)
     assert a.projected_rate_rps == 15.0 and a.decision_speedup < S.disable_threshold
-    plain = assess(MODEL, Settings(calibration_file=LEGACY_CALIBRATION, price_switches=False), off, trough, False, None, T)
+    plain = assess(
+        MODEL, Settings(calibration_file=LEGACY_CALIBRATION, price_switches=False), off, trough, False, None, T
+    )
     assert plain.projected_rate_rps == 10.0  # without pricing: the thresholds on the current rate only

@@ -73,7 +73,8 @@ def test_noise_on_few_small_steps_grows_no_knee():
     # handful of small batches the knee search refuses for lack of support on both sides.
     rows = [r for r in bench_rows(TRUE, batch_sizes=(1, 2, 4, 8, 16), noise=0.05, seed=3) if r.phase != "mixed"]
     rows = [r for r in rows if not (r.phase == "prefill" and r.draft_length == 0)] + [
-        r for r in bench_rows(TRUE, batch_sizes=(1, 2, 4, 8, 16), noise=0.05, seed=3, prompt_tokens=(64,))
+        r
+        for r in bench_rows(TRUE, batch_sizes=(1, 2, 4, 8, 16), noise=0.05, seed=3, prompt_tokens=(64,))
         if r.phase == "prefill" and r.draft_length == 0
     ]
     cal = calibrate(rows)
@@ -100,7 +101,11 @@ def test_one_draft_length_folds_the_overhead_into_the_draft():
 
 
 def test_unidentifiable_prompt_cost_is_refused():
-    rows = [r for r in bench_rows(TRUE, batch_sizes=BATCHES, seed=5) if not (r.phase in ("prefill", "mixed") and r.draft_length == 0)]
+    rows = [
+        r
+        for r in bench_rows(TRUE, batch_sizes=BATCHES, seed=5)
+        if not (r.phase in ("prefill", "mixed") and r.draft_length == 0)
+    ]
     with pytest.raises(InputError, match="prompt token's cost cannot be identified"):
         calibrate(rows)
 
@@ -108,7 +113,11 @@ def test_unidentifiable_prompt_cost_is_refused():
 def test_schema_1_bench_csv_still_calibrates(tmp_path):
     # Six columns, no mixed rows: verify rows carry γ in tokens_per_seq, all else is SD off.
     src = tmp_path / "old.csv"
-    rows = [r for r in bench_rows(TRUE, batch_sizes=BATCHES, draft_lengths=(4,), seed=12) if r.phase != "mixed" and not (r.phase == "prefill" and r.draft_length)]
+    rows = [
+        r
+        for r in bench_rows(TRUE, batch_sizes=BATCHES, draft_lengths=(4,), seed=12)
+        if r.phase != "mixed" and not (r.phase == "prefill" and r.draft_length)
+    ]
     with open(src, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(cal_mod.BENCH_COLUMNS)
@@ -182,7 +191,9 @@ def test_bad_csv_one_line_error(tmp_path, text, expected):
 
 def test_too_few_batch_sizes(tmp_path):
     rows = [r for r in bench_rows(TRUE, batch_sizes=(1, 2), seed=7)]
-    with pytest.raises(InputError, match=r"phase target \(decode steps, SD off\): needs at least 3 distinct batch sizes, got 2"):
+    with pytest.raises(
+        InputError, match=r"phase target \(decode steps, SD off\): needs at least 3 distinct batch sizes, got 2"
+    ):
         calibrate(rows)
 
 

@@ -225,7 +225,11 @@ def test_once_and_config_errors(tmp_path):
         ({"SD_CONTROLLER_HOOK_TOKEN_FILE": str(tmp_path / "no-token")}, "setting hook_token_file: cannot read"),
     ]
     for env, message in cases:
-        env = {"SD_CONTROLLER_CALIBRATION_FILE": LEGACY_CALIBRATION, "SD_CONTROLLER_STATE_FILE": str(tmp_path / "s.json"), **env}
+        env = {
+            "SD_CONTROLLER_CALIBRATION_FILE": LEGACY_CALIBRATION,
+            "SD_CONTROLLER_STATE_FILE": str(tmp_path / "s.json"),
+            **env,
+        }
         proc = run("--once", **env)
         assert proc.returncode == 2, (env, proc.stderr)
         assert message in proc.stderr, (message, proc.stderr)

@@ -302,10 +302,14 @@ def run_micro(
                     run = decode_run(server, batch, extra_p, plan.gen_tokens, gamma)
                     if it >= plan.warmup:
                         ctx = extra_p + plan.gen_tokens // 2
-                        rows.append(BenchRow(decode_phase, batch, tokens_per_seq, ctx, it - plan.warmup, run.step_s, gamma))
+                        rows.append(
+                            BenchRow(decode_phase, batch, tokens_per_seq, ctx, it - plan.warmup, run.step_s, gamma)
+                        )
         full = info.max_num_seqs is not None and batch >= info.max_num_seqs
         if "mixed" in plan.phases and full and warn is not None:
-            warn(f"mixed B={batch}: no free slot for a prompt beside a full batch (max_num_seqs {info.max_num_seqs}); skipped")
+            warn(
+                f"mixed B={batch}: no free slot for a prompt beside a full batch (max_num_seqs {info.max_num_seqs}); skipped"
+            )
         if "mixed" in plan.phases and not full:
             if pilot is None:
                 pilot = decode_run(server, batch, plan.prompt_tokens, plan.gen_tokens, gamma)

@@ -41,24 +41,40 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
         "saturated_all_flagged": report.saturated_all_flagged,
         "rows": [
             {
-                "line": c.row.line, "mode": c.mode, "rate_rps": c.row.rate, "measured_s": c.row.mean_e2e_s,
-                "measured_saturated": c.measured_saturated, "predicted_s": _num(c.predicted_s),
+                "line": c.row.line,
+                "mode": c.mode,
+                "rate_rps": c.row.rate,
+                "measured_s": c.row.mean_e2e_s,
+                "measured_saturated": c.measured_saturated,
+                "predicted_s": _num(c.predicted_s),
                 "predicted_interval_s": [_num(c.predicted_lo_s), _num(c.predicted_hi_s)],
-                "predicted_overloaded": c.predicted_overloaded, "error": c.error,
+                "predicted_overloaded": c.predicted_overloaded,
+                "error": c.error,
             }
             for c in report.rows
         ],
         "modes": [
             {
-                "mode": m.mode, "runs": m.runs, "mean_abs_error": m.mean_abs_error, "worst_error": m.worst_error,
-                "saturated_runs": m.saturated_runs, "saturated_flagged": m.saturated_flagged,
-                "false_overloads": m.false_overloads, "limit_predicted_rps": _num(m.limit_predicted_rps),
-                "limit_measured_rps": list(m.limit_measured_rps), "limit_error": m.limit_error,
+                "mode": m.mode,
+                "runs": m.runs,
+                "mean_abs_error": m.mean_abs_error,
+                "worst_error": m.worst_error,
+                "saturated_runs": m.saturated_runs,
+                "saturated_flagged": m.saturated_flagged,
+                "false_overloads": m.false_overloads,
+                "limit_predicted_rps": _num(m.limit_predicted_rps),
+                "limit_measured_rps": list(m.limit_measured_rps),
+                "limit_error": m.limit_error,
             }
             for m in report.modes
         ],
         "break_even": [
-            {"draft_length": b.draft_length, "predicted_rps": b.predicted_rps, "measured_rps": b.measured_rps, "error": b.error}
+            {
+                "draft_length": b.draft_length,
+                "predicted_rps": b.predicted_rps,
+                "measured_rps": b.measured_rps,
+                "error": b.error,
+            }
             for b in report.break_even
         ],
     }
@@ -79,11 +95,34 @@ def print_report(report: ValidationReport, console: Console) -> None:
         elif c.predicted_overloaded:
             note.append("predicted overloaded")
         pred = "overloaded" if c.predicted_overloaded else f"{c.predicted_s:.3f}"
-        interval = "-" if math.isinf(c.predicted_hi_s) and math.isinf(c.predicted_lo_s) else f"{c.predicted_lo_s:.2f}-{c.predicted_hi_s:.2f}"
-        t.add_row(str(c.row.line), c.mode, f"{c.row.rate:g}", f"{c.row.mean_e2e_s:.3f}", pred, interval, _pct(c.error), ", ".join(note))
+        interval = (
+            "-"
+            if math.isinf(c.predicted_hi_s) and math.isinf(c.predicted_lo_s)
+            else f"{c.predicted_lo_s:.2f}-{c.predicted_hi_s:.2f}"
+        )
+        t.add_row(
+            str(c.row.line),
+            c.mode,
+            f"{c.row.rate:g}",
+            f"{c.row.mean_e2e_s:.3f}",
+            pred,
+            interval,
+            _pct(c.error),
+            ", ".join(note),
+        )
     console.print(t)
     m = Table(title="per mode (errors over runs that were not saturated)")
-    for col in ("mode", "runs", "mean |error|", "worst", "saturated flagged", "false overloads", "limit predicted", "limit measured", "limit error"):
+    for col in (
+        "mode",
+        "runs",
+        "mean |error|",
+        "worst",
+        "saturated flagged",
+        "false overloads",
+        "limit predicted",
+        "limit measured",
+        "limit error",
+    ):
         m.add_column(col, justify="right")
     for s in report.modes:
         lo, hi = s.limit_measured_rps
@@ -125,7 +164,9 @@ def plot(report: ValidationReport, path: Path) -> None:
     for i, mode in enumerate(modes):
         rows = sorted((c for c in report.rows if c.mode == mode), key=lambda c: c.row.rate)
         color = f"C{i}"
-        ax.plot([c.row.rate for c in rows], [c.row.mean_e2e_s for c in rows], "o", color=color, label=f"{mode} measured")
+        ax.plot(
+            [c.row.rate for c in rows], [c.row.mean_e2e_s for c in rows], "o", color=color, label=f"{mode} measured"
+        )
         pred = [(c.row.rate, c.predicted_s) for c in rows if math.isfinite(c.predicted_s)]
         if pred:
             ax.plot(*zip(*pred, strict=True), "-", color=color, label=f"{mode} predicted")

@@ -237,7 +237,11 @@ class Engine:
             g = sd.draft_length
             x = batch * (g + 1)
             whole = c["verify"] or c["target"]
-            t = g * c["draft"].scalar(batch, ctx_tokens, batch) + whole.scalar(x, ctx_tokens, batch) + self.model.sd_overhead_s
+            t = (
+                g * c["draft"].scalar(batch, ctx_tokens, batch)
+                + whole.scalar(x, ctx_tokens, batch)
+                + self.model.sd_overhead_s
+            )
         else:
             x = batch
             t = c["target"].scalar(batch, ctx_tokens, batch)
