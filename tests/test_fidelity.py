@@ -1,0 +1,161 @@
+"""Model fidelity against the independent step-level truth (controller/sim/fidelity.py).
+
+The pipeline test runs a reduced bench → calibrate → load test → validate (≈ 15 s) and prints
+what it measured; the structural test keeps the truth from borrowing the model it judges.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+
+from controller import calibration as cal_mod
+from controller.sim import fidelity
+from controller.validation import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+TRUTH_MODULES = ("gpu.py", "stepsim.py", "simserver.py", "truth_workloads.py")
+FORBIDDEN = ("controller.model", "controller.calibration")
+MAX_MEAN_ABS_ERROR = 0.10
+
+BENCH = fidelity.BenchSettings(batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128), chunk_tokens=(256, 1024, 2048), iterations=1)
+LOAD = fidelity.LoadSettings(rates=(1.0, 4.0, 8.0), duration_s=120, workloads=("chat",), draft_lengths=(0, 4))
+
+
+@pytest.mark.slow
+def test_pipeline_predicts_the_simulated_server_within_ten_percent(tmp_path):
+    truth = fidelity.TruthServer()
+    log: list[str] = []
+    cal = fidelity.measure_and_calibrate(truth, BENCH, tmp_path, log.append)
+
+    # The bench went through CSV files, one per server, as a user's would.
+    for gamma in (0, *BENCH.draft_lengths):
+        bench_csv = tmp_path / f"bench-g{gamma}.csv"
+        rows, _ = cal_mod.read_bench_csv(bench_csv)
+        phases = {r.phase for r in rows}
+        assert phases == (
+            {"prefill", "target", "mixed", "kv_cache"} if gamma == 0 else {"prefill", "verify", "kv_cache"}
+        )
+        assert {r.draft_length for r in rows} == {gamma}
+    assert len(log) == 1 + len(BENCH.draft_lengths)
+
+    assert cal.schema_version == 2
+    assert cal.migrated_from is None
+    assert cal.phases.target.knees, "the target's compute knee was not found"
+    assert cal.phases.verify is None and cal.phases.prefill is None  # schema-2 fit, not migrated
+    assert cal.phases.draft.slope_s_per_token > 0 or cal.phases.draft.intercept_s > 0
+    serving = cal.serving
+    assert (serving.max_num_seqs, serving.max_num_batched_tokens) == (truth.max_num_seqs, truth.max_num_batched_tokens)
+    assert serving.kv_cache_tokens_off == truth.spec(0).kv_tokens()
+    assert serving.kv_cache_tokens_on == truth.spec(4).kv_tokens()
+    assert serving.kv_cache_tokens_off > serving.kv_cache_tokens_on  # the draft's weights and KV take room
+
+    rows = fidelity.load_test(truth, LOAD, "chat", tmp_path, log.append)
+    assert (tmp_path / "load-chat.csv").is_file()
+    reread, _ = cal_mod.read_load_csv(tmp_path / "load-chat.csv")
+    assert reread == rows
+    assert sorted((r.sd, r.draft_length, r.rate) for r in rows) == sorted(
+        (g > 0, g, rate) for g in LOAD.draft_lengths for rate in LOAD.rates
+    )
+
+    report = validate(cal.latency_model(), rows)
+    print()
+    for c in report.rows:
+        err = "-" if c.error is None else f"{c.error * 100:+.1f} %"
+        print(
+            f"{c.mode:>8} {c.row.rate:5.1f} req/s measured {c.row.mean_e2e_s:.3f} s "
+            f"predicted {c.predicted_s:.3f} s error {err} saturated={c.row.saturated}"
+        )
+    for m in report.modes:
+        print(f"{m.mode}: limit predicted {m.limit_predicted_rps:.2f} req/s, measured bracket {m.limit_measured_rps}")
+    for b in report.break_even:
+        print(f"γ={b.draft_length}: break-even predicted {b.predicted_rps} measured {b.measured_rps}")
+
+    steady = [c for c in report.rows if not c.measured_saturated]
+    assert len(steady) >= 4, "too few non-saturated runs to judge"
+    assert all(c.error is not None for c in steady), "a steady run was predicted overloaded"
+    mae = sum(abs(c.error) for c in steady) / len(steady)
+    print(
+        f"mean |error| over {len(steady)} non-saturated runs: {mae * 100:.1f} % (worst {report.worst_abs_error * 100:.1f} %)"
+    )
+    assert mae == pytest.approx(report.mean_abs_error)
+    assert mae < MAX_MEAN_ABS_ERROR
+    assert report.saturated_all_flagged
+    # SD must come out ahead at low load on both sides: measured and predicted.
+    by = {(c.row.sd, c.row.rate): c for c in report.rows}
+    assert by[(True, 1.0)].row.mean_e2e_s < by[(False, 1.0)].row.mean_e2e_s
+    assert by[(True, 1.0)].predicted_s < by[(False, 1.0)].predicted_s
+    assert all(math.isfinite(m.limit_predicted_rps) and m.limit_error is not None for m in report.modes)
+
+
+def _imported_modules(path: Path, package: str = "controller.sim") -> set[str]:
+    """Every module an ``import`` names; relative imports resolved against ``package``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = package.split(".")
+                parent = here[: len(here) - (node.level - 1)]
+                base = ".".join([*parent, base] if base else parent)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # from controller import model
+    return names
+
+
+def _module_path(name: str) -> Path | None:
+    parts = name.split(".")
+    if parts[0] != "controller":
+        return None
+    as_file = ROOT.joinpath(*parts).with_suffix(".py")
+    if as_file.is_file():
+        return as_file
+    as_package = ROOT.joinpath(*parts, "__init__.py")
+    return as_package if as_package.is_file() else None
+
+
+def _package_inits(name: str) -> list[Path]:
+    """``import a.b.c`` runs a/__init__.py and a/b/__init__.py too."""
+    parts = name.split(".")
+    paths = [ROOT.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts))]
+    return [p for p in paths if p.is_file()]
+
+
+@pytest.mark.parametrize("module", TRUTH_MODULES)
+def test_truth_modules_do_not_import_the_model_or_its_calibration(module):
+    start = ROOT / "controller" / "sim" / module
+    assert start.is_file()
+    direct = _imported_modules(start)
+    assert not {n for n in direct if n.startswith(FORBIDDEN)}, direct
+    # Nor through anything they import from the controller package.
+    seen: set[Path] = set()
+    todo = [start]
+    reached: set[str] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        package = ".".join(path.parent.relative_to(ROOT).parts)
+        for name in _imported_modules(path, package):
+            reached.add(name)
+            for p in (_module_path(name), *_package_inits(name)):
+                if p is not None and p not in seen:
+                    todo.append(p)
+    assert not {n for n in reached if n.startswith(FORBIDDEN)}, sorted(n for n in reached if n.startswith(FORBIDDEN))
+
+
+def test_import_scan_sees_the_forms_a_leak_would_take(tmp_path):
+    leaky = tmp_path / "leaky.py"
+    leaky.write_text(
+        "import controller.model\nfrom controller import calibration\nfrom ..model import LatencyModel\n",
+        encoding="utf-8",
+    )
+    names = _imported_modules(leaky)
+    assert {"controller.model", "controller.calibration"} <= names
+    assert all(any(n.startswith(f) for n in names) for f in FORBIDDEN)
