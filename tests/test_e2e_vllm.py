@@ -77,12 +77,12 @@ pytestmark = requires_vllm
 
 def synthetic_calibration() -> CalibrationFile:
     """Step costs chosen so that SD pays at LOW_RPS and loses at HIGH_RPS for any acceptance
-    the n-gram drafts plausibly reach (0.3-1.0): a cheap verify step at batch ~0 (10 ms vs a
-    10 ms target step, but E[N] tokens per step) whose cost climbs steeply with the batch (a
-    knee at 0.2 tokens, 30 ms per token past it), so SD's capacity is ~0.5-1 req/s while plain
-    decoding's is far higher. Not a measurement: see examples/calibration-cpu-tiny.json."""
+    the n-gram drafts plausibly reach (0.3-1.0): a cheap verify step for a lone request (8 ms
+    for its 5 tokens vs a 10 ms target step, but E[N] tokens per step) whose cost climbs steeply
+    once others share it (a knee at 5.2 tokens, 30 ms per token past it), so SD's capacity is
+    ~0.5-1 req/s while plain decoding's is far higher. Not a measurement: see examples/calibration-cpu-tiny.json."""
     return CalibrationFile(
-        schema_version=1,
+        schema_version=2,
         metadata=Metadata(
             gpu="synthetic (tests/test_e2e_vllm.py)",
             target_model="tiny random Llama (2 layers, hidden 256)",
@@ -90,14 +90,17 @@ def synthetic_calibration() -> CalibrationFile:
             vllm_version="0.32.0",
             notes="synthetic step costs that put the break-even between the test's load levels; not a measurement",
         ),
+        # Schema-1 style phases (a stand-alone prefill slope and the whole SD step as one fit):
+        # n-gram drafting has no draft model to prefill.
         phases=Phases(
             prefill=PhaseSpec(intercept_s=0.002, slope_s_per_token=1e-5),
             target=PhaseSpec(intercept_s=0.010, slope_s_per_token=1e-4),
             verify=PhaseSpec(
-                intercept_s=0.010,
+                intercept_s=0.008,
                 slope_s_per_token=0.0,
-                knees=[KneeSpec(at_tokens=0.2, slope_delta_s_per_token=0.03)],
+                knees=[KneeSpec(at_tokens=5.2, slope_delta_s_per_token=0.03)],
             ),
+            draft_prefills=False,
         ),
     )
 
