@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ from controller.hooks.exec import ExecHook, NoHook
 from controller.hooks.http import HttpHook, launcher_hook
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
+from controller.model import LatencyModel, Workload, stability_limits
 from controller.settings import HookType, Settings, load_settings
 from controller.sources.prometheus import PrometheusSource, render_queries
 from controller.sources.vllm_metrics import VllmMetricsSource
@@ -56,7 +58,18 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def build_source(s: Settings):
+def plausible_rate_limit_rps(model: LatencyModel) -> float:
+    """The highest arrival rate a source believes: no server completes requests faster than
+    with one-token prompts and one-token answers; twice that, for a calibration that is off."""
+    off, _ = stability_limits(model, 0.5, 1, Workload(prompt_tokens=1.0, gen_tokens=1.0))
+    return 2.0 * off if math.isfinite(off) and off > 0 else math.inf
+
+
+def build_source(s: Settings, model: LatencyModel | None = None):
+    bounds: dict[str, Any] = {}
+    if model is not None:
+        limit = plausible_rate_limit_rps(model)
+        bounds = {"max_num_seqs": model.max_num_seqs, "max_rate_rps": limit if math.isfinite(limit) else None}
     if s.prometheus_url:
         try:
             render_queries(s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s, s.queries)
@@ -64,11 +77,12 @@ def build_source(s: Settings):
             raise ConfigError(f"setting queries: {exc}") from exc
         return PrometheusSource(
             s.prometheus_url, s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s,
-            s.queries, s.prometheus_timeout_s,
+            s.queries, s.prometheus_timeout_s, **bounds,
         )  # fmt: skip
     return VllmMetricsSource(
         url=s.vllm_metrics_url, model_name=s.vllm_model_name, rate_window_s=s.rate_window_s,
         acceptance_window_s=s.acceptance_window_s, long_window_s=s.long_window_s, timeout_s=s.prometheus_timeout_s,
+        **bounds,
     )  # fmt: skip
 
 
@@ -101,10 +115,11 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
     except OSError as exc:
         raise ConfigError(f"setting state_file: cannot create {s.state_file.parent}: {exc.strerror}") from exc
     state = store.load()
+    model = cal.latency_model(s.max_num_seqs)
     controller = Controller(
         settings=s,
-        model=cal.latency_model(s.max_num_seqs),
-        source=build_source(s),
+        model=model,
+        source=build_source(s, model),
         hook=build_hook(s, state.applied_enabled),
         clock=clock,
         state_store=store,

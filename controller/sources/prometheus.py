@@ -5,6 +5,12 @@ label selector of this controller's vLLM, ``$W`` / ``$AW`` / ``$LW`` by the rate
 long windows. Prometheus' ``rate()`` already handles counter resets. An empty vector or NaN for
 the arrival rate is a failure with a name; for acceptance it only means SD is off (or drafted
 nothing), which the assessment handles with the last measured value.
+
+Values that cannot be true are held with reason ``implausible``, never clamped into numbers: an
+arrival rate below what queue-draining estimates can produce (``deriv`` of the queues may dip
+under zero by at most 1.5 × max_num_seqs / window when the queue empties mid-window), or above
+``max_rate_rps``; more running requests than ``max_num_seqs`` per engine; a ``position`` label
+that is not an integer.
 """
 
 from __future__ import annotations
@@ -107,8 +113,13 @@ class PrometheusSource:
         queries: Mapping[str, str] | None = None,
         timeout_s: float = 5.0,
         session: requests.Session | None = None,
+        max_num_seqs: int | None = None,
+        max_rate_rps: float | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.rate_window_s = rate_window_s
+        self.max_num_seqs = max_num_seqs
+        self.max_rate_rps = max_rate_rps
         self.queries = render_queries(selector, rate_window_s, acceptance_window_s, long_window_s, queries)
         self.timeout_s = timeout_s
         self._session = session or requests.Session()
@@ -170,9 +181,37 @@ class PrometheusSource:
             return None
         return value
 
+    def _check_arrival(self, arrival: float) -> float:
+        """The arrival rate, with estimation noise below zero read as 0; QueryFailed if it lies."""
+        if arrival < 0:
+            # A queue that empties mid-window makes deriv() overshoot by up to 1.5·Δqueue/window.
+            noise = 1.5 * self.max_num_seqs / self.rate_window_s if self.max_num_seqs else 0.0
+            if arrival < -noise - 1e-9:
+                raise QueryFailed(FailureReason.IMPLAUSIBLE, f"arrival_rate is negative ({arrival:g} req/s)")
+            return 0.0
+        if self.max_rate_rps is not None and arrival > self.max_rate_rps:
+            raise QueryFailed(
+                FailureReason.IMPLAUSIBLE,
+                f"arrival_rate {arrival:.1f} req/s is above the plausible {self.max_rate_rps:g}",
+            )
+        return arrival
+
+    def _running(self, now: float) -> float | None:
+        result = self.query(self.queries["running"], now)
+        if not result or not all(math.isfinite(v) for _, v in result):
+            return None
+        running = sum(v for _, v in result)
+        if running < 0:
+            raise QueryFailed(FailureReason.IMPLAUSIBLE, f"running is negative ({running:g})")
+        if self.max_num_seqs is not None and running > self.max_num_seqs * max(len(result), 1):
+            raise QueryFailed(
+                FailureReason.IMPLAUSIBLE, f"running is {running:g}, above max_num_seqs={self.max_num_seqs}"
+            )
+        return running
+
     def observe(self, now: float) -> ObserveResult:
         try:
-            arrival = self._scalar("arrival_rate", now, required=True)
+            arrival = self._check_arrival(self._scalar("arrival_rate", now, required=True))
             age = self._scalar("sample_age", now, required=True)
             sd_present = self._scalar("sd_present", now, required=False) is not None
             acceptance = positions = mean_draft = None
@@ -181,11 +220,11 @@ class PrometheusSource:
                 mean_draft = self._scalar("mean_draft_tokens", now, required=False)
                 pos = self.query(self.queries["position_acceptance"], now)
                 if pos and all(math.isfinite(v) for _, v in pos):
-                    ordered = sorted(pos, key=lambda lv: int(lv[0].get("position", "0")))
+                    ordered = sorted(pos, key=lambda lv: _position(lv[0]))
                     positions = tuple(min(max(v, 0.0), 1.0) for _, v in ordered)
             return Observation(
                 time_s=now,
-                arrival_rate_rps=max(arrival, 0.0) if arrival is not None else None,
+                arrival_rate_rps=arrival,
                 arrival_rate_long_rps=_nonneg(self._scalar("arrival_rate_long", now, required=False)),
                 arrival_rate_peak_rps=_nonneg(self._scalar("arrival_rate_peak", now, required=False)),
                 acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
@@ -193,7 +232,7 @@ class PrometheusSource:
                 mean_draft_tokens=mean_draft,
                 mean_prompt_tokens=self._scalar("mean_prompt_tokens", now, required=False),
                 mean_gen_tokens=self._scalar("mean_gen_tokens", now, required=False),
-                running=self._scalar("running", now, required=False),
+                running=self._running(now),
                 waiting=self._scalar("waiting", now, required=False),
                 mean_e2e_latency_s=self._scalar("mean_e2e_latency", now, required=False),
                 sd_series_present=sd_present,
@@ -201,6 +240,15 @@ class PrometheusSource:
             )
         except QueryFailed as exc:
             return ObservationFailure(exc.reason, exc.detail)
+
+
+def _position(labels: dict[str, str]) -> int:
+    raw = labels.get("position", "0")
+    if not raw.isdigit():
+        raise QueryFailed(
+            FailureReason.IMPLAUSIBLE, f"position_acceptance: position label {raw[:20]!r} is not an integer"
+        )
+    return int(raw)
 
 
 def _nonneg(v: float | None) -> float | None:
