@@ -23,7 +23,7 @@ import requests
 import structlog
 from prometheus_client import CollectorRegistry
 
-from controller import policy
+from controller import deadline, policy
 from controller.assessment import Assessment, assess
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
@@ -98,13 +98,13 @@ class WebhookNotifier:
     def __init__(self, url: str | None, timeout_s: float = 5.0, session: requests.Session | None = None):
         self.url = url
         self.timeout_s = timeout_s
-        self._session = session or requests.Session()
+        self._session = deadline.session(session)
 
     def __call__(self, event: str, payload: dict) -> None:
         if not self.url:
             return
         try:
-            self._session.post(self.url, json={"event": event, **payload}, timeout=self.timeout_s)
+            deadline.request(self._session, "POST", self.url, self.timeout_s, json={"event": event, **payload})
         except requests.RequestException as exc:
             log.warning("webhook_failed", event=event, error=type(exc).__name__)
 

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import requests
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from controller import deadline
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
 
 
@@ -62,7 +63,7 @@ class HttpHook:
         self._token = token
         self.timeout_s = timeout_s
         self.verify = verify
-        self._session = session or requests.Session()
+        self._session = deadline.session(session)
         self._send = retry(
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(retries + 1),
@@ -80,8 +81,9 @@ class HttpHook:
         return h
 
     def _send_once(self, method: str, url: str, body: dict[str, Any] | None) -> requests.Response:
-        resp = self._session.request(
-            method, url, json=body, headers=self._headers(), timeout=self.timeout_s, verify=self.verify
+        # timeout_s bounds each whole call (a dripping peer included), not each read.
+        resp = deadline.request(
+            self._session, method, url, self.timeout_s, json=body, headers=self._headers(), verify=self.verify
         )
         if resp.status_code >= 500:
             raise _Retryable(resp.status_code)

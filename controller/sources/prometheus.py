@@ -16,11 +16,13 @@ that is not an integer.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 
 import requests
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from controller import deadline
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 
 DEFAULT_QUERIES: dict[str, str] = {
@@ -65,6 +67,9 @@ DEFAULT_QUERIES: dict[str, str] = {
     "sd_present": "count(vllm:spec_decode_num_drafts_total{$SEL})",
     "sample_age": "time() - max(timestamp(vllm:num_requests_running{$SEL}))",
 }
+
+
+OBSERVE_BUDGET_TIMEOUTS = 3  # one observe (about 13 queries) may take this many timeouts in all
 
 
 def _duration(seconds: float) -> str:
@@ -122,7 +127,8 @@ class PrometheusSource:
         self.max_rate_rps = max_rate_rps
         self.queries = render_queries(selector, rate_window_s, acceptance_window_s, long_window_s, queries)
         self.timeout_s = timeout_s
-        self._session = session or requests.Session()
+        self._session = deadline.session(session)
+        self._observe_deadline: float | None = None  # monotonic; all queries of one observe
 
     @retry(
         retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout)),
@@ -134,7 +140,12 @@ class PrometheusSource:
         params = {"query": promql}
         if now is not None:
             params["time"] = f"{now:.3f}"
-        return self._session.get(f"{self.url}/api/v1/query", params=params, timeout=self.timeout_s)
+        budget = self.timeout_s
+        if self._observe_deadline is not None:
+            budget = min(budget, self._observe_deadline - time.monotonic())
+            if budget <= 0:
+                raise deadline.DeadlineExceeded(f"observe took over {OBSERVE_BUDGET_TIMEOUTS} × {self.timeout_s:g}s")
+        return deadline.request(self._session, "GET", f"{self.url}/api/v1/query", budget, params=params)
 
     def query(self, promql: str, now: float | None = None) -> list[tuple[dict[str, str], float]]:
         """Instant vector as (labels, value) pairs; raises :class:`QueryFailed` with a reason."""
@@ -210,6 +221,14 @@ class PrometheusSource:
         return running
 
     def observe(self, now: float) -> ObserveResult:
+        # One budget for all of this tick's queries: a slow Prometheus cannot stretch a tick.
+        self._observe_deadline = time.monotonic() + OBSERVE_BUDGET_TIMEOUTS * self.timeout_s
+        try:
+            return self._observe(now)
+        finally:
+            self._observe_deadline = None
+
+    def _observe(self, now: float) -> ObserveResult:
         try:
             arrival = self._check_arrival(self._scalar("arrival_rate", now, required=True))
             age = self._scalar("sample_age", now, required=True)

@@ -25,6 +25,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from controller import deadline
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 
 SUCCESS = "vllm:request_success"
@@ -214,7 +215,7 @@ class VllmMetricsSource:
         self.acceptance_window_s = acceptance_window_s
         self.long_window_s = long_window_s
         self.timeout_s = timeout_s
-        self._session = session or requests.Session()
+        self._session = deadline.session(session)
         self.max_num_seqs = max_num_seqs
         self.max_rate_rps = max_rate_rps
         self._history: deque[Snapshot] = deque()
@@ -228,7 +229,8 @@ class VllmMetricsSource:
     )
     def _http_fetch(self) -> str:
         assert self.url is not None
-        resp = self._session.get(self.url, timeout=self.timeout_s)
+        # timeout_s bounds the whole request: a peer that drips bytes cannot hold the tick.
+        resp = deadline.request(self._session, "GET", self.url, self.timeout_s)
         if resp.status_code != 200:
             raise _HttpStatus(resp.status_code)
         return resp.text
