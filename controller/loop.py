@@ -31,7 +31,7 @@ from controller.model import LatencyModel
 from controller.observation import Observation, ObserveResult
 from controller.policy import Decision
 from controller.settings import OverrideMode, Settings
-from controller.state import ControllerState
+from controller.state import ControllerState, clamp_to_clock
 from controller.state_store import MemoryStateStore
 
 log = structlog.get_logger("sd_controller")
@@ -154,8 +154,11 @@ class Controller:
     def _tick(self) -> TickResult:
         s = self.settings
         now = self.clock()
+        state, clamped = clamp_to_clock(self.state, now, s.failure_backoff_max_s)
+        if clamped:
+            log.warning("state_time_in_future", fields=list(clamped), now=now, detail="clamped to now")
         status = self.hook.status()
-        state, events = policy.reconcile(self.state, status, s, now)
+        state, events = policy.reconcile(state, status, s, now)
         obs = self.source.observe(now)
         override = self.override()
         failure = policy.usable(obs, s)
