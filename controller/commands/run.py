@@ -21,7 +21,7 @@ from controller.hooks.exec import ExecHook, NoHook
 from controller.hooks.http import HttpHook, launcher_hook
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
-from controller.model import LatencyModel, Workload, stability_limits
+from controller.model import LatencyModel, Workload, predict_point, stability_limits
 from controller.settings import HookType, Settings, load_settings
 from controller.sources.prometheus import PrometheusSource, render_queries
 from controller.sources.vllm_metrics import VllmMetricsSource
@@ -56,6 +56,23 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[name.strip()] = value
     return out
+
+
+def check_model(model: LatencyModel, s: Settings, where: object) -> None:
+    """ConfigError unless the calibration predicts a positive, finite latency at idle.
+
+    An all-zero calibration validates field by field but divides by zero on every tick.
+    """
+    workload = Workload(s.default_prompt_tokens, s.default_gen_tokens)
+    try:
+        p = predict_point(model, 0.0, 0.5, s.draft_length, workload)
+        ok = all(math.isfinite(t) and t > 0 for t in (p.latency_off_s, p.latency_on_s))
+    except (ArithmeticError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"setting calibration_file: {where}: predicts no finite, positive latency at idle (all step costs zero?)"
+        )
 
 
 def plausible_rate_limit_rps(model: LatencyModel) -> float:
@@ -105,17 +122,27 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
     s = settings or load_settings(args.config, **({"calibration_file": args.calibration} | _parse_sets(args.set)))
     if not s.calibration_file:
         raise ConfigError("setting calibration_file: required (a file from sd-controller calibrate)")
+    path = calibration_path(s.calibration_file)
     try:
-        cal = cal_mod.load(calibration_path(s.calibration_file))
+        cal = cal_mod.load(path)
     except InputError as exc:
         raise ConfigError(f"setting calibration_file: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"setting calibration_file: {path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError(f"setting calibration_file: {path}: JSON nested too deeply") from None
     store = FileStateStore(s.state_file)
     try:
         s.state_file.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"setting state_file: cannot create {s.state_file.parent}: {exc.strerror}") from exc
     state = store.load()
+    try:
+        store.save(state)  # a read-only state directory fails here, not on every tick
+    except OSError as exc:
+        raise ConfigError(f"setting state_file: cannot write {s.state_file}: {exc.strerror or exc}") from None
     model = cal.latency_model(s.max_num_seqs)
+    check_model(model, s, path)
     controller = Controller(
         settings=s,
         model=model,
