@@ -200,7 +200,10 @@ class Settings(BaseSettings):
         description="Calibration JSON (sd-controller calibrate); 'example' for the shipped example (not for production).",
     )
     max_num_seqs: int | None = Field(None, ge=1, description="Override the calibration's max_num_seqs.")
-    exporter_host: str = Field("0.0.0.0", description="Address of the controller's /metrics and /healthz.")
+    exporter_host: str = Field(
+        "127.0.0.1",
+        description="Address of the controller's /metrics and /healthz (loopback by default; 0.0.0.0 for a scraper in another network namespace).",
+    )
     exporter_port: int = Field(
         9464, ge=0, le=65535, description="Port of the controller's /metrics and /healthz (0 = pick one)."
     )
