@@ -110,6 +110,7 @@ class WebhookNotifier:
 
 
 NOTIFY_EVENTS = ("acceptance_floor_tripped", "change_failed")
+FAILED_TICKS_UNHEALTHY = 3
 
 
 class Controller:
@@ -140,7 +141,10 @@ class Controller:
         self.override = override or (lambda: settings.override)
         self.notify = notify or (lambda event, payload: None)
         self.state = self.store.load()
+        self.started_at = clock()
         self.last_tick_at: float | None = None
+        self.failed_ticks = 0  # consecutive ticks that raised
+        self.last_tick_error: str | None = None
         self._lock = threading.Lock()  # one tick at a time, even if called from two threads
 
     @property
@@ -191,6 +195,7 @@ class Controller:
         self.state = state
         self.store.save(state)
         self.last_tick_at = now
+        self.failed_ticks, self.last_tick_error = 0, None
         # While a restart is pending, missing metrics are expected, not a fault worth counting.
         fail_reason = failure.reason if failure is not None and decision.reason is policy.Reason.OBSERVATION else None
         observed = obs.mean_e2e_latency_s if isinstance(obs, Observation) else None
@@ -249,13 +254,31 @@ class Controller:
         level = log.warning if (d.acts or any(e.startswith("change_failed") for e in events)) else log.info
         level("decision", **fields)
 
+    def tick_failed(self, exc: BaseException) -> None:
+        """Record a tick that raised (the loop goes on; /healthz tells)."""
+        self.failed_ticks += 1
+        self.last_tick_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
     def healthy(self) -> tuple[bool, str]:
-        """Alive and ticking: the last tick is no older than three intervals."""
+        """Alive and ticking: no run of failing ticks, the last good one no older than three intervals.
+
+        One failed tick is reported but still healthy (a transient error must not get the pod
+        killed); FAILED_TICKS_UNHEALTHY in a row are not.
+        """
+        window = 3 * self.settings.evaluation_interval_s
+        if self.failed_ticks >= FAILED_TICKS_UNHEALTHY:
+            return False, f"failing: {self.failed_ticks} ticks in a row, last: {self.last_tick_error}"
+        since = self.clock() - (self.last_tick_at if self.last_tick_at is not None else self.started_at)
         if self.last_tick_at is None:
-            return True, "starting"
-        age = self.clock() - self.last_tick_at
-        if age > 3 * self.settings.evaluation_interval_s:
-            return False, f"last tick {age:.0f}s ago"
+            if since > window:
+                return False, f"no tick completed in {since:.0f}s" + (
+                    f", last: {self.last_tick_error}" if self.last_tick_error else ""
+                )
+            return True, "starting" + (f" (last tick failed: {self.last_tick_error})" if self.failed_ticks else "")
+        if since > window:
+            return False, f"last tick {since:.0f}s ago"
+        if self.failed_ticks:
+            return True, f"ok (last tick failed: {self.last_tick_error})"
         return True, "ok"
 
 
@@ -278,9 +301,10 @@ def run_loop(
     while not stop.is_set():
         try:
             controller.tick()
-        except Exception:
+        except Exception as exc:
             log.exception("tick_failed")
             controller.exporter.failures.labels("tick_error").inc()
+            controller.tick_failed(exc)
         ticks += 1
         if max_ticks is not None and ticks >= max_ticks:
             break

@@ -267,3 +267,29 @@ def test_future_times_in_the_state_file_are_clamped_and_logged(tmp_path):
         clock.t += 60
         ctl.tick()
     assert ctl.state.pending is None
+
+
+def test_healthz_reports_failing_ticks():
+    import threading
+
+    from controller.loop import run_loop
+
+    class BrokenStore(MemoryStateStore):
+        def save(self, state):  # a read-only state directory
+            raise PermissionError(13, "Permission denied")
+
+    ctl, *_ = make(store=BrokenStore())
+    assert ctl.healthy() == (True, "starting")
+    run_loop(ctl, threading.Event(), interval_s=0, max_ticks=1)
+    ok, why = ctl.healthy()
+    assert ok and "Permission denied" in why  # one failure: reported, still alive
+    run_loop(ctl, threading.Event(), interval_s=0, max_ticks=2)
+    ok, why = ctl.healthy()
+    assert not ok and why.startswith("failing: 3 ticks in a row") and "PermissionError" in why
+
+
+def test_healthz_unhealthy_when_no_tick_ever_completes():
+    ctl, clock, _, _, _ = make()
+    clock.t += 3 * ctl.settings.evaluation_interval_s + 1
+    ok, why = ctl.healthy()
+    assert not ok and why.startswith("no tick completed")
