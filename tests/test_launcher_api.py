@@ -216,9 +216,9 @@ def test_status_shape(start_launcher):
         b'{"enabled": false, "num_speculative_tokens": 0}',
         b'{"enabled": true, "num_speculative_tokens": 65}',
         b'{"enabled": true, "num_speculative_tokens": "4"}',
-        b'{"enabled": true, "num_speculative_tokens": ' + b"9" * 5000 + b"}",
-        b"[" * 60_000,
-        b'{"enabled": true, "reason": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+        pytest.param(b'{"enabled": true, "num_speculative_tokens": ' + b"9" * 5000 + b"}", id="5000-digits"),
+        pytest.param(b"[" * 60_000, id="deep"),
+        pytest.param(b'{"enabled": true, "reason": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", id="deep-note"),
     ],
 )
 def test_bad_requests_are_400_with_one_line(start_launcher, body):

@@ -22,15 +22,18 @@ def run_once(tmp_path, monkeypatch, capsys):
         monkeypatch.setenv("SD_CONTROLLER_VLLM_METRICS_URL", "http://127.0.0.1:9/metrics")
         monkeypatch.setenv("SD_CONTROLLER_HOOK_TYPE", "none")
         monkeypatch.setenv("SD_CONTROLLER_PROMETHEUS_TIMEOUT_S", "0.2")
+        monkeypatch.setenv("SD_CONTROLLER_RATE_WINDOW_S", "0.2")  # --once waits one window
         for k, v in (env or {}).items():
             monkeypatch.setenv(k, v)
         args = ["run", "--once", "--dry-run"]
         for item in sets:
             args += ["--set", item]
         code = main(args)
-        err = capsys.readouterr().err
-        return code, [line for line in err.splitlines() if line.strip()]
+        captured = capsys.readouterr()
+        run.out = captured.out
+        return code, [line for line in captured.err.splitlines() if line.strip()]
 
+    run.out = ""
     return run
 
 
@@ -104,7 +107,7 @@ def test_unwritable_state_directory_exits_2(run_once):
     assert code == 2 and len(err) == 1 and "cannot write" in err[0], err
 
 
-@pytest.mark.parametrize("data", [b"\xff\xfe\x00garbage", b"[" * 100_000])
+@pytest.mark.parametrize("data", [b"\xff\xfe\x00garbage", b"[" * 100_000], ids=["not-utf8", "deep"])
 def test_undecodable_state_file_is_set_aside_not_a_traceback(run_once, tmp_path, data):
     path = tmp_path / "state" / "state.json"
     path.parent.mkdir()
@@ -112,3 +115,14 @@ def test_undecodable_state_file_is_set_aside_not_a_traceback(run_once, tmp_path,
     code, err = run_once()
     assert code == 0, err
     assert list(path.parent.glob("state.json.corrupt-*"))
+
+
+def test_once_in_direct_mode_takes_two_scrapes_and_decides(run_once):
+    from tests.support.fake_vllm import FakeVllmServer
+
+    with FakeVllmServer() as fake:
+        code, err = run_once({"SD_CONTROLLER_VLLM_METRICS_URL": fake.metrics_url, "SD_CONTROLLER_RATE_WINDOW_S": "1"})
+        assert fake.scrapes == 2
+    assert code == 0, err
+    assert any("again in 1s" in line for line in err), err
+    assert "warming_up" not in run_once.out and "predicted speedup" in run_once.out, run_once.out

@@ -35,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML or JSON settings file (keys are setting names)")
     p.add_argument("--calibration", help="calibration file (overrides calibration_file)")
     p.add_argument("--dry-run", action="store_true", help="decide and export, never call the hook")
-    p.add_argument("--once", action="store_true", help="run one tick, print the decision with its reasons, exit")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="run one tick, print the decision with its reasons, exit (scraping vLLM directly, it waits"
+        " rate_window_s between two scrapes first)",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -168,6 +173,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"sd-controller run: error: {exc}", file=sys.stderr)
         return 2
     if args.once:
+        if isinstance(controller.source, VllmMetricsSource):
+            # A rate needs two scrapes: take the first now, the tick's a rate window later.
+            print(
+                f"sd-controller run --once: scraping {controller.source.url} now and again in"
+                f" {settings.rate_window_s:g}s (rate_window_s), for a rate",
+                file=sys.stderr,
+            )
+            controller.source.observe(time.time())
+            time.sleep(settings.rate_window_s)
         result = controller.tick()
         d, a = result.decision, result.assessment
         print(f"decision: {d.action.value} ({d.reason.value}) — {d.detail}")
