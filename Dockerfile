@@ -46,6 +46,6 @@ RUN pip install --no-cache-dir --no-index --find-links=/tmp/wheels /tmp/wheels/s
 USER 10001:10001
 EXPOSE 9464
 HEALTHCHECK --interval=15s --timeout=3s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=2); sys.exit(0)"]
+    CMD ["python3", "-c", "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=2); sys.exit(0)"]
 ENTRYPOINT ["sd-controller"]
 CMD ["run"]

@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Stock Debian has python3 and no `python`; $PYTHON wins when set.
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
   echo "== installing prometheus (Debian)"
   apt-get update -qq
@@ -12,7 +15,7 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
 fi
 
 echo "== installing sd-controller with dev extras"
-python -m pip install -q --disable-pip-version-check -e '.[dev]'
+"$PY" -m pip install -q --disable-pip-version-check -e '.[dev]'
 
 if [ "${SD_SKIP_VLLM:-0}" != "1" ] && [ -f scripts/setup-vllm.sh ]; then
   echo "== preparing the vLLM CPU venv and tiny model (cached between runs)"
@@ -20,4 +23,4 @@ if [ "${SD_SKIP_VLLM:-0}" != "1" ] && [ -f scripts/setup-vllm.sh ]; then
 fi
 
 echo "== running the tests"
-exec python -m pytest "$@"
+exec "$PY" -m pytest "$@"
