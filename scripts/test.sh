@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine of this kind: installs what the tests need
-# (Debian's prometheus for promtool and a real Prometheus server, the package with its dev
-# extras, and the vLLM CPU build in a cached venv), then runs pytest. Extra args go to pytest.
+# (Debian's prometheus for promtool and a real Prometheus server, buildah and mmdebstrap for
+# the container-image test, the package with its dev extras, and the vLLM CPU build in a
+# cached venv), then runs pytest. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Stock Debian has python3 and no `python`; $PYTHON wins when set.
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 
-if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
-  echo "== installing prometheus (Debian)"
+need=()
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# The container-image test builds the image for real: buildah, and mmdebstrap for its base.
+command -v buildah >/dev/null 2>&1 || need+=(buildah)
+command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+if ((${#need[@]})); then
+  echo "== installing ${need[*]} (Debian)"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
 echo "== installing sd-controller with dev extras"
