@@ -54,3 +54,22 @@ def test_http_hook_gives_up_on_a_dripping_peer():
             hook.request(ChangeRequest(enabled=True, num_speculative_tokens=4, reason="test"))
         assert hook.status().last_error is not None
         assert time.monotonic() - t0 < 6.0
+
+
+def test_a_retry_after_a_timeout_is_uncertain_whatever_it_answers():
+    import threading
+
+    first = threading.Event()
+
+    def respond(method, path, body):
+        if not first.is_set():  # the first POST is carried out, but answered too late
+            first.set()
+            time.sleep(1.5)
+            return 202, "application/json", b'{"changed": true}'
+        return 409, "application/json", b'{"error": "restart in progress"}'
+
+    with StubHttp(respond) as stub:
+        hook = HttpHook(stub.url + "/admin/speculative", None, "t0ken", timeout_s=0.5, retries=1)
+        with pytest.raises(HookError, match="409") as exc:
+            hook.request(ChangeRequest(enabled=False, num_speculative_tokens=None, reason="test"))
+        assert exc.value.uncertain, "the first attempt may have switched: keep the pending lock"

@@ -64,6 +64,7 @@ class HttpHook:
         self.timeout_s = timeout_s
         self.verify = verify
         self._session = deadline.session(session)
+        self._timed_out = False  # an attempt of the current request timed out
         self._send = retry(
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(retries + 1),
@@ -82,9 +83,13 @@ class HttpHook:
 
     def _send_once(self, method: str, url: str, body: dict[str, Any] | None) -> requests.Response:
         # timeout_s bounds each whole call (a dripping peer included), not each read.
-        resp = deadline.request(
-            self._session, method, url, self.timeout_s, json=body, headers=self._headers(), verify=self.verify
-        )
+        try:
+            resp = deadline.request(
+                self._session, method, url, self.timeout_s, json=body, headers=self._headers(), verify=self.verify
+            )
+        except requests.Timeout:
+            self._timed_out = True
+            raise
         if resp.status_code >= 500:
             raise _Retryable(resp.status_code)
         return resp
@@ -100,18 +105,21 @@ class HttpHook:
         if change.num_speculative_tokens is None:
             body.pop("num_speculative_tokens")
         where = redact_url(self.url)
+        self._timed_out = False
         try:
             resp = self._send("POST", self.url, body)
         except _Retryable as exc:
-            raise HookError(f"{where}: HTTP {exc.status} after retries") from None
+            raise HookError(f"{where}: HTTP {exc.status} after retries", uncertain=self._timed_out) from None
         except requests.Timeout:
             raise HookError(f"{where}: timed out after {self.timeout_s}s", uncertain=True) from None
         except requests.ConnectionError as exc:
-            raise HookError(f"{where}: connection failed ({type(exc).__name__})") from None
+            raise HookError(f"{where}: connection failed ({type(exc).__name__})", uncertain=self._timed_out) from None
+        # An earlier attempt that timed out may have been carried out (a 409 "restart in
+        # progress" on the retry says so): whatever the last answer, the outcome is uncertain.
         if resp.status_code == 401 or resp.status_code == 403:
-            raise HookError(f"{where}: HTTP {resp.status_code}: token rejected")
+            raise HookError(f"{where}: HTTP {resp.status_code}: token rejected", uncertain=self._timed_out)
         if not 200 <= resp.status_code < 300:
-            raise HookError(f"{where}: HTTP {resp.status_code}: {_brief(resp)}")
+            raise HookError(f"{where}: HTTP {resp.status_code}: {_brief(resp)}", uncertain=self._timed_out)
 
     def status(self) -> HookStatus:
         if not self.status_url:
