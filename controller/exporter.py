@@ -51,6 +51,12 @@ class OptionalGauges(Collector):
         with self._lock:
             self._values[name][tuple(labelvalues)] = float(value)
 
+    def clear(self, *names: str) -> None:
+        """Make these gauges absent again (the value is no longer known)."""
+        with self._lock:
+            for name in names:
+                self._values[name] = {}
+
     def describe(self):
         return [GaugeMetricFamily(n, d, labels=list(lbl)) for n, (d, lbl) in self._docs.items()]
 
@@ -62,6 +68,31 @@ class OptionalGauges(Collector):
             for labelvalues, value in snapshot[name].items():
                 fam.add_metric(list(labelvalues), value)
             yield fam
+
+
+# Derived from this tick's assessment: absent when there is none (bad data, a restart), so a
+# dashboard never shows a stale prediction as if it were current.
+PREDICTION_GAUGES = (
+    "sd_predicted_speedup",
+    "sd_decision_speedup",
+    "sd_acceptance_rate",
+    "sd_acceptance_source",
+    "sd_acceptance_age_seconds",
+    "sd_acceptance_alpha",
+    "sd_draft_length",
+    "sd_best_draft_length",
+    "sd_effective_batch_size",
+    "sd_arrival_rate_rps",
+    "sd_projected_arrival_rate_rps",
+    "sd_break_even_rate_rps",
+    "sd_stability_limit_rps",
+    "sd_predicted_latency_seconds",
+    "sd_predicted_applied_latency_seconds",
+    "sd_switch_cost_request_seconds",
+    "sd_projected_gain_request_seconds",
+    "sd_gain_horizon_seconds",
+    "sd_restart_downtime_seconds",
+)
 
 
 class Exporter:
@@ -155,7 +186,10 @@ class Exporter:
                 self.floor_trips.inc()
         if observed_latency_s is not None:
             g("sd_observed_latency_seconds", observed_latency_s)
+        else:
+            self.gauges.clear("sd_observed_latency_seconds")
         if assessment is None:
+            self.gauges.clear(*PREDICTION_GAUGES)
             return
         a = assessment
         on = bool(state.applied_enabled)
@@ -176,6 +210,8 @@ class Exporter:
         g("sd_projected_arrival_rate_rps", a.projected_rate_rps)
         if a.break_even_rate_rps is not None:
             g("sd_break_even_rate_rps", a.break_even_rate_rps)
+        else:
+            self.gauges.clear("sd_break_even_rate_rps")
         g("sd_stability_limit_rps", a.stability_limit_on_rps, "on")
         g("sd_stability_limit_rps", a.stability_limit_off_rps, "off")
         g("sd_predicted_latency_seconds", a.latency_on_s, "on")

@@ -23,7 +23,7 @@ import requests
 import structlog
 from prometheus_client import CollectorRegistry
 
-from controller import policy
+from controller import deadline, policy
 from controller.assessment import Assessment, assess
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
@@ -31,7 +31,7 @@ from controller.model import LatencyModel
 from controller.observation import Observation, ObserveResult
 from controller.policy import Decision
 from controller.settings import OverrideMode, Settings
-from controller.state import ControllerState
+from controller.state import ControllerState, clamp_to_clock
 from controller.state_store import MemoryStateStore
 
 log = structlog.get_logger("sd_controller")
@@ -98,18 +98,19 @@ class WebhookNotifier:
     def __init__(self, url: str | None, timeout_s: float = 5.0, session: requests.Session | None = None):
         self.url = url
         self.timeout_s = timeout_s
-        self._session = session or requests.Session()
+        self._session = deadline.session(session)
 
     def __call__(self, event: str, payload: dict) -> None:
         if not self.url:
             return
         try:
-            self._session.post(self.url, json={"event": event, **payload}, timeout=self.timeout_s)
+            deadline.request(self._session, "POST", self.url, self.timeout_s, json={"event": event, **payload})
         except requests.RequestException as exc:
             log.warning("webhook_failed", event=event, error=type(exc).__name__)
 
 
 NOTIFY_EVENTS = ("acceptance_floor_tripped", "change_failed")
+FAILED_TICKS_UNHEALTHY = 3
 
 
 class Controller:
@@ -140,7 +141,10 @@ class Controller:
         self.override = override or (lambda: settings.override)
         self.notify = notify or (lambda event, payload: None)
         self.state = self.store.load()
+        self.started_at = clock()
         self.last_tick_at: float | None = None
+        self.failed_ticks = 0  # consecutive ticks that raised
+        self.last_tick_error: str | None = None
         self._lock = threading.Lock()  # one tick at a time, even if called from two threads
 
     @property
@@ -154,8 +158,11 @@ class Controller:
     def _tick(self) -> TickResult:
         s = self.settings
         now = self.clock()
+        state, clamped = clamp_to_clock(self.state, now, s.failure_backoff_max_s)
+        if clamped:
+            log.warning("state_time_in_future", fields=list(clamped), now=now, detail="clamped to now")
         status = self.hook.status()
-        state, events = policy.reconcile(self.state, status, s, now)
+        state, events = policy.reconcile(state, status, s, now)
         obs = self.source.observe(now)
         override = self.override()
         failure = policy.usable(obs, s)
@@ -188,6 +195,7 @@ class Controller:
         self.state = state
         self.store.save(state)
         self.last_tick_at = now
+        self.failed_ticks, self.last_tick_error = 0, None
         # While a restart is pending, missing metrics are expected, not a fault worth counting.
         fail_reason = failure.reason if failure is not None and decision.reason is policy.Reason.OBSERVATION else None
         observed = obs.mean_e2e_latency_s if isinstance(obs, Observation) else None
@@ -246,13 +254,31 @@ class Controller:
         level = log.warning if (d.acts or any(e.startswith("change_failed") for e in events)) else log.info
         level("decision", **fields)
 
+    def tick_failed(self, exc: BaseException) -> None:
+        """Record a tick that raised (the loop goes on; /healthz tells)."""
+        self.failed_ticks += 1
+        self.last_tick_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
     def healthy(self) -> tuple[bool, str]:
-        """Alive and ticking: the last tick is no older than three intervals."""
+        """Alive and ticking: no run of failing ticks, the last good one no older than three intervals.
+
+        One failed tick is reported but still healthy (a transient error must not get the pod
+        killed); FAILED_TICKS_UNHEALTHY in a row are not.
+        """
+        window = 3 * self.settings.evaluation_interval_s
+        if self.failed_ticks >= FAILED_TICKS_UNHEALTHY:
+            return False, f"failing: {self.failed_ticks} ticks in a row, last: {self.last_tick_error}"
+        since = self.clock() - (self.last_tick_at if self.last_tick_at is not None else self.started_at)
         if self.last_tick_at is None:
-            return True, "starting"
-        age = self.clock() - self.last_tick_at
-        if age > 3 * self.settings.evaluation_interval_s:
-            return False, f"last tick {age:.0f}s ago"
+            if since > window:
+                return False, f"no tick completed in {since:.0f}s" + (
+                    f", last: {self.last_tick_error}" if self.last_tick_error else ""
+                )
+            return True, "starting" + (f" (last tick failed: {self.last_tick_error})" if self.failed_ticks else "")
+        if since > window:
+            return False, f"last tick {since:.0f}s ago"
+        if self.failed_ticks:
+            return True, f"ok (last tick failed: {self.last_tick_error})"
         return True, "ok"
 
 
@@ -275,9 +301,10 @@ def run_loop(
     while not stop.is_set():
         try:
             controller.tick()
-        except Exception:
+        except Exception as exc:
             log.exception("tick_failed")
             controller.exporter.failures.labels("tick_error").inc()
+            controller.tick_failed(exc)
         ticks += 1
         if max_ticks is not None and ticks >= max_ticks:
             break

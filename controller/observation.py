@@ -22,6 +22,7 @@ class FailureReason(StrEnum):
     STALE = "stale"  # the newest sample is older than allowed
     WARMING_UP = "warming_up"  # not enough history yet for a rate
     INCOMPLETE = "incomplete"  # a required field is missing
+    IMPLAUSIBLE = "implausible"  # parses, but cannot be true (a counter going back, a rate no server serves)
 
 
 @dataclass(frozen=True)

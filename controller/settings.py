@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -16,11 +18,14 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from controller.errors import ConfigError
 
 ENV_PREFIX = "SD_CONTROLLER_"
+# Variables with the prefix that are not settings: the compose file's image tag.
+NOT_SETTINGS = frozenset({"SD_CONTROLLER_IMAGE"})
+MAX_DRAFT_LENGTH = 64  # the launcher's MAX_SPEC_TOKENS; draft_length has the same bound
 
 
 class HookType(StrEnum):
@@ -39,7 +44,8 @@ class OverrideMode(StrEnum):
 class Settings(BaseSettings):
     """All knobs of ``sd-controller run``."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    # allow_inf_nan=False: evaluation_interval_s=inf (or a NaN threshold) is a typo, not a setting.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, allow_inf_nan=False)
 
     # --- loop and decision -------------------------------------------------------------------
     evaluation_interval_s: float = Field(
@@ -198,7 +204,10 @@ class Settings(BaseSettings):
         description="Calibration JSON (sd-controller calibrate); 'example' for the shipped example (not for production).",
     )
     max_num_seqs: int | None = Field(None, ge=1, description="Override the calibration's max_num_seqs.")
-    exporter_host: str = Field("0.0.0.0", description="Address of the controller's /metrics and /healthz.")
+    exporter_host: str = Field(
+        "127.0.0.1",
+        description="Address of the controller's /metrics and /healthz (loopback by default; 0.0.0.0 for a scraper in another network namespace).",
+    )
     exporter_port: int = Field(
         9464, ge=0, le=65535, description="Port of the controller's /metrics and /healthz (0 = pick one)."
     )
@@ -216,6 +225,12 @@ class Settings(BaseSettings):
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http(s) URL with a host")
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError("has an invalid port (must be 1..65535)")
         return v.rstrip("/") if parts.path in ("", "/") else v
 
     @field_validator("log_format")
@@ -235,8 +250,10 @@ class Settings(BaseSettings):
     @field_validator("draft_length_candidates")
     @classmethod
     def _candidates(cls, v: list[int]) -> list[int]:
-        if not v or min(v) < 1:
-            raise ValueError("must be a non-empty list of integers >= 1")
+        if not v or min(v) < 1 or max(v) > MAX_DRAFT_LENGTH:
+            raise ValueError(
+                f"must be a non-empty list of integers in 1..{MAX_DRAFT_LENGTH} (what the launcher accepts)"
+            )
         return sorted(set(v))
 
     @model_validator(mode="after")
@@ -291,9 +308,31 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
         values.update(read_config_file(config_file))
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return Settings(**values)
+        settings = Settings(**values)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from exc
+    except SettingsError as exc:  # a list or dict setting whose env value is not JSON
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = field.group(1) if field else "?"
+        raise ConfigError(f"setting {name} ({ENV_PREFIX}{name.upper()}): value is not valid JSON") from None
+    unknown = unknown_env(os.environ, settings)
+    if unknown:
+        raise ConfigError(
+            f"unknown environment variable(s) {', '.join(unknown)}: no such setting (typo?);"
+            " see `python -m controller.settings` for the list"
+        )
+    return settings
+
+
+def unknown_env(environ: Mapping[str, str], settings: Settings) -> list[str]:
+    """``SD_CONTROLLER_*`` variables that name no setting (nor the hook token variable).
+
+    pydantic-settings ignores them, so ``SD_CONTROLLER_ENABLE_TRESHOLD=2`` would be a silent
+    no-op; a typo in a setting must stop the start instead.
+    """
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | {settings.hook_token_env.upper()}
+    known |= NOT_SETTINGS
+    return sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -87,6 +87,30 @@ class ControllerState:
         return cls(**values)
 
 
+_PAST_TIMES = ("last_change_at", "low_acceptance_since", "floor_tripped_at", "last_acceptance_at", "sd_congested_at")
+
+
+def clamp_to_clock(state: ControllerState, now: float, max_backoff_s: float) -> tuple[ControllerState, tuple[str, ...]]:
+    """The state with times from the future (a clock step back, a restored backup) brought to ``now``.
+
+    A dwell or a pending change dated in the future would hold forever; clamped, each starts
+    now and ends on its own schedule. ``retry_not_before`` may lie ahead, but never more than
+    ``max_backoff_s``. Returns the new state and the names of the fields that were changed.
+    """
+    changes: dict[str, Any] = {}
+    for name in _PAST_TIMES:
+        value = getattr(state, name)
+        if value is not None and value > now:
+            changes[name] = now
+    if state.retry_not_before is not None and state.retry_not_before > now + max_backoff_s:
+        changes["retry_not_before"] = now + max_backoff_s
+    if state.pending is not None and state.pending.issued_at > now:
+        changes["pending"] = dataclasses.replace(state.pending, issued_at=now)
+    if not changes:
+        return state, ()
+    return dataclasses.replace(state, **changes), tuple(sorted(changes))
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import structlog
 
 from controller.atomic import write_json_atomic
+from controller.errors import ConfigError
 from controller.state import ControllerState
 
 log = structlog.get_logger("sd_controller.state")
@@ -40,17 +41,31 @@ class FileStateStore:
         self.set_aside: Path | None = None
 
     def load(self) -> ControllerState:
+        """The saved state; ConfigError (one line) when the file cannot be read or set aside."""
         try:
-            text = self.path.read_text(encoding="utf-8")
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return ControllerState()
+        except OSError as exc:  # a directory, no permission
+            raise ConfigError(f"setting state_file: {self.path}: cannot read: {exc.strerror or exc}") from None
         try:
-            return ControllerState.from_dict(json.loads(text))
-        except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            # Not UTF-8, nested beyond the parser's depth, wrong shape: all corrupt alike.
+            return ControllerState.from_dict(json.loads(raw.decode("utf-8")))
+        except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-            os.replace(self.path, aside)
+            try:
+                os.replace(self.path, aside)
+            except OSError as err:
+                raise ConfigError(
+                    f"setting state_file: {self.path} is corrupt and cannot be set aside: {err.strerror or err}"
+                ) from None
             self.set_aside = aside
-            log.error("state_file_corrupt", path=str(self.path), moved_to=str(aside), error=str(exc)[:200])
+            log.error(
+                "state_file_corrupt",
+                path=str(self.path),
+                moved_to=str(aside),
+                error=f"{type(exc).__name__}: {exc}"[:200],
+            )
             return ControllerState()
 
     def save(self, state: ControllerState) -> None:

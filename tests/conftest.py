@@ -20,6 +20,9 @@ from tests.support.prometheus import ENV_BIN, PrometheusServer, prometheus_binar
 
 PrometheusFactory = Callable[..., PrometheusServer]
 
+# In CI a skipped test fails the run (see tests/support/ci_skips.py).
+pytest_plugins = ["tests.support.ci_skips"]
+
 
 @pytest.fixture(scope="session")
 def prometheus_bin() -> str:

@@ -235,14 +235,18 @@ def test_once_and_config_errors(tmp_path):
         assert message in proc.stderr, (message, proc.stderr)
         assert proc.stderr.strip().count("\n") == 0, proc.stderr
 
-    # --once against a live fake vLLM (direct scraping), observe-only hook.
+    # --once against a live fake vLLM (direct scraping), observe-only hook: two scrapes a rate
+    # window apart, so a real decision rather than warming_up.
     with FakeVllmServer() as vllm:
         proc = run(
             "--once", "--dry-run", SD_CONTROLLER_CALIBRATION_FILE=LEGACY_CALIBRATION, SD_CONTROLLER_HOOK_TYPE="none",
             SD_CONTROLLER_VLLM_METRICS_URL=vllm.metrics_url, SD_CONTROLLER_STATE_FILE=str(tmp_path / "s.json"),
+            SD_CONTROLLER_RATE_WINDOW_S="1",
         )  # fmt: skip
+        assert vllm.scrapes == 2
     assert proc.returncode == 0, proc.stderr
-    assert "decision: none (observation_unusable) — warming_up" in proc.stdout
+    assert "again in 1s (rate_window_s)" in proc.stderr
+    assert proc.stdout.startswith("decision: ") and "warming_up" not in proc.stdout, proc.stdout
 
 
 def test_config_file_and_set(tmp_path):

@@ -7,9 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+import controller.exporter as exporter_mod
 from tests.support.controller_metrics import METRICS
-
-exporter_mod = pytest.importorskip("controller.exporter", reason="controller.exporter not yet")
 
 KIND_TO_TYPE = {"gauge": "gauge", "counter": "counter", "enum": "stateset", "info": "info"}
 

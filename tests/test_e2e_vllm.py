@@ -476,7 +476,14 @@ def test_controller_switches_sd_on_real_vllm_end_to_end(tmp_path, prometheus_ser
             ' and on() sd_toggles_total{job="controller",direction="off"} == 1',
             timeout_s=30,
         )
-        time.sleep(5)  # a few requests against the new server
+
+        # A few requests against the new server: wait for them (at 0.15 req/s a fixed 5 s often
+        # saw none, and the phase was missing from the outcomes).
+        def served_again() -> bool:
+            with load._lock:
+                return sum(o.ok for o in load.outcomes if o.phase == "low-on-again") >= 2
+
+        wait_until(served_again, min(60.0, budget_left()), "two requests served with SD on again", poll_s=0.5)
         load.stop()
         recorder.stop()
         budget_left()
@@ -573,7 +580,8 @@ def test_controller_switches_sd_on_real_vllm_end_to_end(tmp_path, prometheus_ser
         (tmp_path / "e2e-numbers.json").write_text(json.dumps(numbers, indent=1, default=str))
         assert not lost, [(o.index, o.phase, o.status, o.error) for o in lost]
         assert by_phase["low-on"]["failed"] == 0
-        assert by_phase["high-off"]["ok"] > 0 and by_phase["low-on-again"]["ok"] > 0
+        assert by_phase.get("high-off", {}).get("ok", 0) > 0, by_phase
+        assert by_phase.get("low-on-again", {}).get("ok", 0) >= 2, by_phase
         log_text = controller_log.read_text(errors="replace") + launcher_log.read_text(errors="replace")
         assert TOKEN not in log_text
     finally:

@@ -72,3 +72,25 @@ def test_served_over_http_and_parsed_back():
         assert r.status_code == 503 and "500s" in r.text
     finally:
         sick.stop()
+
+
+def test_prediction_gauges_go_absent_when_data_turns_bad():
+    from dataclasses import replace
+
+    from controller.exporter import PREDICTION_GAUGES
+
+    reg = CollectorRegistry()
+    ex = Exporter(reg)
+    state = ControllerState(applied_enabled=True)
+    ex.record(1.0, state, D, replace(A, break_even_rate_rps=9.0), None, 2.1, ())
+    g = reg.get_sample_value
+    assert g("sd_predicted_speedup") == 1.8 and g("sd_break_even_rate_rps") == 9.0
+    ex.record(2.0, state, D, A, None, 2.1, ())  # break-even no longer known
+    assert g("sd_break_even_rate_rps") is None
+    ex.record(3.0, state, D, None, FailureReason.NAN, None, ())  # the next tick's data is bad
+    exported = {s.name for fam in reg.collect() for s in fam.samples}
+    assert not exported & set(PREDICTION_GAUGES), exported & set(PREDICTION_GAUGES)
+    assert g("sd_observed_latency_seconds") is None
+    assert g("sd_enabled") == 1  # what is applied is still known
+    ex.record(4.0, state, D, A, None, 2.1, ())
+    assert g("sd_predicted_speedup") == 1.8

@@ -14,6 +14,7 @@ from controller.hooks.base import ChangeRequest, HookError, HookPhase
 from controller.hooks.exec import ExecHook
 from controller.hooks.http import HttpHook, launcher_hook, parse_status
 from controller.tokens import read_token
+from tests.support.waiting import wait_until
 
 TOKEN = "s3cr3t-token-value"
 
@@ -231,3 +232,31 @@ def test_exec_hook_nonzero_exit_and_timeout():
 def test_exec_hook_rejects_shell_string():
     with pytest.raises(ValueError):
         ExecHook("toggle-sd --on")
+
+
+def test_exec_hook_timeout_kills_the_whole_process_group(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    # A restart script that starts a long child and waits for it (as `kubectl rollout` would).
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "child.wait()\n"
+    )
+    hook = ExecHook([sys.executable, "-c", script], timeout_s=1.0, initial_enabled=True)
+    t0 = time.monotonic()
+    hook.request(CHANGE)
+    hook.wait(20)
+    assert time.monotonic() - t0 < 10  # the grandchild holds stdout: without the group kill, ~60 s
+    assert "timed out" in hook.status().last_error
+    grandchild = int(pid_file.read_text())
+    wait_until(lambda: not _running(grandchild), 5, "the grandchild to die")
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed orphan may wait for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -158,6 +158,22 @@ def test_admin_calls_need_the_token_and_it_never_leaks(start_launcher):
     assert all(TOKEN not in body for body in bodies)
 
 
+def test_query_strings_are_never_logged(start_launcher):
+    import socket
+
+    launcher = start_launcher()
+    with capture_logs() as logs:
+        for path in ("/healthz?token=" + TOKEN, "/admin/status?access_token=" + TOKEN, "/nope?" + TOKEN):
+            launcher.session.get(launcher.server.url + path, headers=launcher.headers(), timeout=5)
+        port = launcher.server.port
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # malformed request line
+            raw.sendall(f"GET /admin/status?t={TOKEN} HTTP/9.9 extra\r\n\r\n".encode())
+            raw.recv(4096)
+    lines = [e.get("line", "") for e in logs if e["event"] == "admin_http"]
+    assert lines, logs
+    assert TOKEN not in repr(logs)
+
+
 def test_no_token_configured_means_open(start_launcher):
     launcher = start_launcher(token=None)
     r = launcher.session.get(launcher.server.url + "/admin/status", timeout=5)
@@ -200,6 +216,9 @@ def test_status_shape(start_launcher):
         b'{"enabled": false, "num_speculative_tokens": 0}',
         b'{"enabled": true, "num_speculative_tokens": 65}',
         b'{"enabled": true, "num_speculative_tokens": "4"}',
+        pytest.param(b'{"enabled": true, "num_speculative_tokens": ' + b"9" * 5000 + b"}", id="5000-digits"),
+        pytest.param(b"[" * 60_000, id="deep"),
+        pytest.param(b'{"enabled": true, "reason": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", id="deep-note"),
     ],
 )
 def test_bad_requests_are_400_with_one_line(start_launcher, body):

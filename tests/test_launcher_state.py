@@ -53,6 +53,15 @@ def test_parse_request_accepts(body, enabled, tokens, notes):
         (b'{"enabled": true, "num_speculative_tokens": true}', "must be an integer"),
         (b'{"enabled": true, "num_speculative_tokens": 0}', "1..64"),
         (b'{"enabled": true, "num_speculative_tokens": 65}', "1..64"),
+        pytest.param(
+            b'{"enabled": true, "num_speculative_tokens": ' + b"9" * 5000 + b"}",
+            "integer that is too long",
+            id="5000-digits",
+        ),
+        pytest.param(b"[" * 60_000, "nested too deeply", id="deep"),
+        pytest.param(
+            b'{"enabled": true, "reason": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "nested too deeply", id="deep-note"
+        ),
     ],
 )
 def test_parse_request_rejects_in_one_line(body, message):

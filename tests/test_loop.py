@@ -243,3 +243,53 @@ def test_dry_run_never_calls_the_hook():
     ctl.tick()
     res = run_ticks(ctl, clock, vllm, rate=16, n=3)
     assert hook.requests == [] and all(r.decision.action.value == "disable" for r in res)
+
+
+def test_future_times_in_the_state_file_are_clamped_and_logged(tmp_path):
+    from controller.state import ControllerState, PendingChange
+
+    year = 365 * 86400.0
+    future = ControllerState(
+        applied_enabled=True,
+        applied_draft_length=4,
+        last_change_at=T0 + year,  # a restored backup from a clock that ran ahead
+        pending=PendingChange(False, None, issued_at=T0 + year, reason="old"),
+        retry_not_before=T0 + year,
+    )
+    ctl, clock, _, _, _ = make(store=MemoryStateStore(future), pending_timeout_s=600)
+    with structlog.testing.capture_logs() as logs:
+        ctl.tick()
+    clamped = [e for e in logs if e["event"] == "state_time_in_future"]
+    assert clamped and set(clamped[0]["fields"]) == {"last_change_at", "pending", "retry_not_before"}
+    assert ctl.state.last_change_at <= T0 and ctl.state.retry_not_before <= T0 + ctl.settings.failure_backoff_max_s
+    # The pending change now times out on schedule instead of locking the controller forever.
+    for _ in range(12):
+        clock.t += 60
+        ctl.tick()
+    assert ctl.state.pending is None
+
+
+def test_healthz_reports_failing_ticks():
+    import threading
+
+    from controller.loop import run_loop
+
+    class BrokenStore(MemoryStateStore):
+        def save(self, state):  # a read-only state directory
+            raise PermissionError(13, "Permission denied")
+
+    ctl, *_ = make(store=BrokenStore())
+    assert ctl.healthy() == (True, "starting")
+    run_loop(ctl, threading.Event(), interval_s=0, max_ticks=1)
+    ok, why = ctl.healthy()
+    assert ok and "Permission denied" in why  # one failure: reported, still alive
+    run_loop(ctl, threading.Event(), interval_s=0, max_ticks=2)
+    ok, why = ctl.healthy()
+    assert not ok and why.startswith("failing: 3 ticks in a row") and "PermissionError" in why
+
+
+def test_healthz_unhealthy_when_no_tick_ever_completes():
+    ctl, clock, _, _, _ = make()
+    clock.t += 3 * ctl.settings.evaluation_interval_s + 1
+    ok, why = ctl.healthy()
+    assert not ok and why.startswith("no tick completed")

@@ -153,3 +153,87 @@ def test_peak_rate_within_the_long_window():
             o = src.observe(clock())
         assert o.arrival_rate_rps == pytest.approx(1.0)
         assert o.arrival_rate_peak_rps == pytest.approx(10.0)
+
+
+def exposition(success: float, created: float, running: float = 0.0, engines: int = 1) -> str:
+    """Minimal vLLM-shaped text: the success counter (with its _created) and the queues."""
+    lines = [
+        "# TYPE vllm:request_success_total counter",
+        f'vllm:request_success_total{{finished_reason="stop",model_name="tiny"}} {success}',
+        "# TYPE vllm:request_success_created gauge",
+        f'vllm:request_success_created{{finished_reason="stop",model_name="tiny"}} {created}',
+        "# TYPE vllm:num_requests_running gauge",
+        *(f'vllm:num_requests_running{{engine="{e}",model_name="tiny"}} {running / engines}' for e in range(engines)),
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{model_name="tiny"} 0',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class Feed:
+    """fetch() callable whose next payload a test sets."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def __call__(self) -> str:
+        return self.text
+
+
+def implausible_source(**kw):
+    feed = Feed()
+    return feed, VllmMetricsSource(fetch=feed, rate_window_s=60, **kw)
+
+
+def test_counter_stepping_back_without_new_created_is_a_glitch_not_a_restart():
+    feed, src = implausible_source(max_num_seqs=256)
+    feed.text = exposition(100_000, created=1000.0)
+    src.observe(2000.0)
+    feed.text = exposition(100_030, created=1000.0)
+    assert isinstance(src.observe(2060.0), Observation)
+    feed.text = exposition(99_950, created=1000.0)  # glitch: same _created, lower value
+    o = src.observe(2120.0)
+    assert isinstance(o, ObservationFailure) and o.reason is FailureReason.IMPLAUSIBLE
+    assert "went down from 100030 to 99950" in o.detail
+    feed.text = exposition(100_090, created=1000.0)  # the glitch left no trace in the rate
+    o = src.observe(2180.0)
+    assert isinstance(o, Observation) and o.arrival_rate_rps == pytest.approx(60 / 120)
+
+
+def test_lasting_step_back_starts_over_after_a_few_scrapes():
+    feed, src = implausible_source()
+    feed.text = exposition(100_000, created=1000.0)
+    src.observe(2000.0)
+    feed.text = exposition(50_000, created=1000.0)
+    reasons = [src.observe(2000.0 + 60 * i).reason for i in range(1, 4)]
+    assert reasons == [FailureReason.IMPLAUSIBLE] * 3
+    feed.text = exposition(50_060, created=1000.0)
+    o = src.observe(2240.0)
+    assert isinstance(o, Observation) and o.arrival_rate_rps == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("second", "kw", "needle"),
+    [
+        (exposition(-5, created=1000.0), {}, "negative"),
+        (exposition(100, created=1000.0, running=200_000), {"max_num_seqs": 256}, "above max_num_seqs=256"),
+        # _created changing every scrape: read as a restart, 100 000 "new" requests in 60 s
+        (exposition(100_000, created=2059.0), {"max_rate_rps": 50.0}, "above the plausible 50"),
+    ],
+)
+def test_implausible_data_is_held_with_a_reason(second, kw, needle):
+    feed, src = implausible_source(**kw)
+    feed.text = exposition(100, created=1000.0)
+    src.observe(2000.0)
+    feed.text = second
+    o = src.observe(2060.0)
+    assert isinstance(o, ObservationFailure) and o.reason is FailureReason.IMPLAUSIBLE, o
+    assert needle in o.detail
+
+
+def test_running_bound_is_per_engine():
+    feed, src = implausible_source(max_num_seqs=256)
+    feed.text = exposition(100, created=1000.0, running=400, engines=2)
+    src.observe(2000.0)
+    feed.text = exposition(160, created=1000.0, running=400, engines=2)
+    assert isinstance(src.observe(2060.0), Observation)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ from controller.hooks.exec import ExecHook, NoHook
 from controller.hooks.http import HttpHook, launcher_hook
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
+from controller.model import LatencyModel, Workload, predict_point, stability_limits
 from controller.settings import HookType, Settings, load_settings
 from controller.sources.prometheus import PrometheusSource, render_queries
 from controller.sources.vllm_metrics import VllmMetricsSource
@@ -33,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML or JSON settings file (keys are setting names)")
     p.add_argument("--calibration", help="calibration file (overrides calibration_file)")
     p.add_argument("--dry-run", action="store_true", help="decide and export, never call the hook")
-    p.add_argument("--once", action="store_true", help="run one tick, print the decision with its reasons, exit")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="run one tick, print the decision with its reasons, exit (scraping vLLM directly, it waits"
+        " rate_window_s between two scrapes first)",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -56,7 +63,35 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def build_source(s: Settings):
+def check_model(model: LatencyModel, s: Settings, where: object) -> None:
+    """ConfigError unless the calibration predicts a positive, finite latency at idle.
+
+    An all-zero calibration validates field by field but divides by zero on every tick.
+    """
+    workload = Workload(s.default_prompt_tokens, s.default_gen_tokens)
+    try:
+        p = predict_point(model, 0.0, 0.5, s.draft_length, workload)
+        ok = all(math.isfinite(t) and t > 0 for t in (p.latency_off_s, p.latency_on_s))
+    except (ArithmeticError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"setting calibration_file: {where}: predicts no finite, positive latency at idle (all step costs zero?)"
+        )
+
+
+def plausible_rate_limit_rps(model: LatencyModel) -> float:
+    """The highest arrival rate a source believes: no server completes requests faster than
+    with one-token prompts and one-token answers; twice that, for a calibration that is off."""
+    off, _ = stability_limits(model, 0.5, 1, Workload(prompt_tokens=1.0, gen_tokens=1.0))
+    return 2.0 * off if math.isfinite(off) and off > 0 else math.inf
+
+
+def build_source(s: Settings, model: LatencyModel | None = None):
+    bounds: dict[str, Any] = {}
+    if model is not None:
+        limit = plausible_rate_limit_rps(model)
+        bounds = {"max_num_seqs": model.max_num_seqs, "max_rate_rps": limit if math.isfinite(limit) else None}
     if s.prometheus_url:
         try:
             render_queries(s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s, s.queries)
@@ -64,11 +99,12 @@ def build_source(s: Settings):
             raise ConfigError(f"setting queries: {exc}") from exc
         return PrometheusSource(
             s.prometheus_url, s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s,
-            s.queries, s.prometheus_timeout_s,
+            s.queries, s.prometheus_timeout_s, **bounds,
         )  # fmt: skip
     return VllmMetricsSource(
         url=s.vllm_metrics_url, model_name=s.vllm_model_name, rate_window_s=s.rate_window_s,
         acceptance_window_s=s.acceptance_window_s, long_window_s=s.long_window_s, timeout_s=s.prometheus_timeout_s,
+        **bounds,
     )  # fmt: skip
 
 
@@ -91,20 +127,31 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
     s = settings or load_settings(args.config, **({"calibration_file": args.calibration} | _parse_sets(args.set)))
     if not s.calibration_file:
         raise ConfigError("setting calibration_file: required (a file from sd-controller calibrate)")
+    path = calibration_path(s.calibration_file)
     try:
-        cal = cal_mod.load(calibration_path(s.calibration_file))
+        cal = cal_mod.load(path)
     except InputError as exc:
         raise ConfigError(f"setting calibration_file: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"setting calibration_file: {path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError(f"setting calibration_file: {path}: JSON nested too deeply") from None
     store = FileStateStore(s.state_file)
     try:
         s.state_file.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"setting state_file: cannot create {s.state_file.parent}: {exc.strerror}") from exc
     state = store.load()
+    try:
+        store.save(state)  # a read-only state directory fails here, not on every tick
+    except OSError as exc:
+        raise ConfigError(f"setting state_file: cannot write {s.state_file}: {exc.strerror or exc}") from None
+    model = cal.latency_model(s.max_num_seqs)
+    check_model(model, s, path)
     controller = Controller(
         settings=s,
-        model=cal.latency_model(s.max_num_seqs),
-        source=build_source(s),
+        model=model,
+        source=build_source(s, model),
         hook=build_hook(s, state.applied_enabled),
         clock=clock,
         state_store=store,
@@ -126,6 +173,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"sd-controller run: error: {exc}", file=sys.stderr)
         return 2
     if args.once:
+        if isinstance(controller.source, VllmMetricsSource):
+            # A rate needs two scrapes: take the first now, the tick's a rate window later.
+            print(
+                f"sd-controller run --once: scraping {controller.source.url} now and again in"
+                f" {settings.rate_window_s:g}s (rate_window_s), for a rate",
+                file=sys.stderr,
+            )
+            controller.source.observe(time.time())
+            time.sleep(settings.rate_window_s)
         result = controller.tick()
         d, a = result.decision, result.assessment
         print(f"decision: {d.action.value} ({d.reason.value}) — {d.detail}")

@@ -8,7 +8,9 @@ says ``restarting`` until it finishes, then what it applied or that it failed.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -55,14 +57,12 @@ class ExecHook:
         t0 = time.monotonic()
         error: str | None = None
         try:
-            proc = subprocess.run(
-                self.argv, env=env, timeout=self.timeout_s, capture_output=True, text=True, check=False
-            )
-            if proc.returncode != 0:
-                tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or [""]
-                error = f"exit code {proc.returncode}: {tail[0][:200]}"
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {self.timeout_s:.0f}s (killed)"
+            returncode, out, err = run_in_group(self.argv, env, self.timeout_s)
+            if returncode is None:
+                error = f"timed out after {self.timeout_s:g}s (process group killed)"
+            elif returncode != 0:
+                tail = (err or out or "").strip().splitlines()[-1:] or [""]
+                error = f"exit code {returncode}: {tail[0][:200]}"
         except OSError as exc:
             error = f"cannot run {self.argv[0]}: {exc.strerror or exc}"
         with self._lock:
@@ -92,6 +92,34 @@ class ExecHook:
                 restart_durations_s=tuple(self._durations),
                 last_error=self._last_error,
             )
+
+
+def run_in_group(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
+    """Run ``argv`` in a session of its own; (exit code or None on timeout, stdout, stderr).
+
+    On timeout the whole process group is killed: a restart script's children (a ``kubectl``,
+    a ``sleep``) would otherwise live on and hold the output pipes open, so that even reading
+    what the script printed would never end.
+    """
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # a child that left the group still holds a pipe
+            proc.kill()
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+            proc.wait(timeout=5)
+            out, err = "", ""
+        return None, out or "", err or ""
 
 
 class NoHook:

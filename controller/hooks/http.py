@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import requests
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from controller import deadline
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
 
 
@@ -62,7 +63,8 @@ class HttpHook:
         self._token = token
         self.timeout_s = timeout_s
         self.verify = verify
-        self._session = session or requests.Session()
+        self._session = deadline.session(session)
+        self._timed_out = False  # an attempt of the current request timed out
         self._send = retry(
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(retries + 1),
@@ -80,9 +82,14 @@ class HttpHook:
         return h
 
     def _send_once(self, method: str, url: str, body: dict[str, Any] | None) -> requests.Response:
-        resp = self._session.request(
-            method, url, json=body, headers=self._headers(), timeout=self.timeout_s, verify=self.verify
-        )
+        # timeout_s bounds each whole call (a dripping peer included), not each read.
+        try:
+            resp = deadline.request(
+                self._session, method, url, self.timeout_s, json=body, headers=self._headers(), verify=self.verify
+            )
+        except requests.Timeout:
+            self._timed_out = True
+            raise
         if resp.status_code >= 500:
             raise _Retryable(resp.status_code)
         return resp
@@ -98,18 +105,21 @@ class HttpHook:
         if change.num_speculative_tokens is None:
             body.pop("num_speculative_tokens")
         where = redact_url(self.url)
+        self._timed_out = False
         try:
             resp = self._send("POST", self.url, body)
         except _Retryable as exc:
-            raise HookError(f"{where}: HTTP {exc.status} after retries") from None
+            raise HookError(f"{where}: HTTP {exc.status} after retries", uncertain=self._timed_out) from None
         except requests.Timeout:
             raise HookError(f"{where}: timed out after {self.timeout_s}s", uncertain=True) from None
         except requests.ConnectionError as exc:
-            raise HookError(f"{where}: connection failed ({type(exc).__name__})") from None
+            raise HookError(f"{where}: connection failed ({type(exc).__name__})", uncertain=self._timed_out) from None
+        # An earlier attempt that timed out may have been carried out (a 409 "restart in
+        # progress" on the retry says so): whatever the last answer, the outcome is uncertain.
         if resp.status_code == 401 or resp.status_code == 403:
-            raise HookError(f"{where}: HTTP {resp.status_code}: token rejected")
+            raise HookError(f"{where}: HTTP {resp.status_code}: token rejected", uncertain=self._timed_out)
         if not 200 <= resp.status_code < 300:
-            raise HookError(f"{where}: HTTP {resp.status_code}: {_brief(resp)}")
+            raise HookError(f"{where}: HTTP {resp.status_code}: {_brief(resp)}", uncertain=self._timed_out)
 
     def status(self) -> HookStatus:
         if not self.status_url:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -26,6 +27,14 @@ from controller.launcher.supervisor import Busy, Supervisor
 log = structlog.get_logger("controller.launcher.admin")
 
 MAX_BODY_BYTES = 64 * 1024
+
+
+_QUERY = re.compile(r"\?[^\s\"']*")
+
+
+def without_query(text: str) -> str:
+    """``text`` with every URL query string (``?...`` up to a space or quote) replaced."""
+    return _QUERY.sub("?<query>", text)
 
 
 def token_matches(expected: str | None, authorization: str | None) -> bool:
@@ -136,5 +145,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:
-        # The request line only: headers (and so the token) are never logged.
-        log.debug("admin_http", client=self.client_address[0], line=format % args)
+        # The request line only, without its query string (a client may put a token there);
+        # headers (and so the bearer token) are never logged.
+        log.debug("admin_http", client=self.client_address[0], line=without_query(format % args))

@@ -56,8 +56,11 @@ def parse_request(body: bytes) -> SwitchRequest:
     """
     try:
         obj = json.loads(body.decode("utf-8") if body else "")
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise InputError("body is not valid JSON") from None
+    except RecursionError:
+        raise InputError("body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 5000 digits
+        too_long = "digits" in str(exc) and not isinstance(exc, json.JSONDecodeError | UnicodeDecodeError)
+        raise InputError("body has an integer that is too long" if too_long else "body is not valid JSON") from None
     if not isinstance(obj, dict):
         raise InputError(f"body must be a JSON object, got {type(obj).__name__}")
     if "enabled" not in obj:

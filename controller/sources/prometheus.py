@@ -5,16 +5,24 @@ label selector of this controller's vLLM, ``$W`` / ``$AW`` / ``$LW`` by the rate
 long windows. Prometheus' ``rate()`` already handles counter resets. An empty vector or NaN for
 the arrival rate is a failure with a name; for acceptance it only means SD is off (or drafted
 nothing), which the assessment handles with the last measured value.
+
+Values that cannot be true are held with reason ``implausible``, never clamped into numbers: an
+arrival rate below what queue-draining estimates can produce (``deriv`` of the queues may dip
+under zero by at most 1.5 × max_num_seqs / window when the queue empties mid-window), or above
+``max_rate_rps``; more running requests than ``max_num_seqs`` per engine; a ``position`` label
+that is not an integer.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 
 import requests
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from controller import deadline
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 
 DEFAULT_QUERIES: dict[str, str] = {
@@ -59,6 +67,9 @@ DEFAULT_QUERIES: dict[str, str] = {
     "sd_present": "count(vllm:spec_decode_num_drafts_total{$SEL})",
     "sample_age": "time() - max(timestamp(vllm:num_requests_running{$SEL}))",
 }
+
+
+OBSERVE_BUDGET_TIMEOUTS = 3  # one observe (about 13 queries) may take this many timeouts in all
 
 
 def _duration(seconds: float) -> str:
@@ -107,11 +118,17 @@ class PrometheusSource:
         queries: Mapping[str, str] | None = None,
         timeout_s: float = 5.0,
         session: requests.Session | None = None,
+        max_num_seqs: int | None = None,
+        max_rate_rps: float | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.rate_window_s = rate_window_s
+        self.max_num_seqs = max_num_seqs
+        self.max_rate_rps = max_rate_rps
         self.queries = render_queries(selector, rate_window_s, acceptance_window_s, long_window_s, queries)
         self.timeout_s = timeout_s
-        self._session = session or requests.Session()
+        self._session = deadline.session(session)
+        self._observe_deadline: float | None = None  # monotonic; all queries of one observe
 
     @retry(
         retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout)),
@@ -123,7 +140,12 @@ class PrometheusSource:
         params = {"query": promql}
         if now is not None:
             params["time"] = f"{now:.3f}"
-        return self._session.get(f"{self.url}/api/v1/query", params=params, timeout=self.timeout_s)
+        budget = self.timeout_s
+        if self._observe_deadline is not None:
+            budget = min(budget, self._observe_deadline - time.monotonic())
+            if budget <= 0:
+                raise deadline.DeadlineExceeded(f"observe took over {OBSERVE_BUDGET_TIMEOUTS} × {self.timeout_s:g}s")
+        return deadline.request(self._session, "GET", f"{self.url}/api/v1/query", budget, params=params)
 
     def query(self, promql: str, now: float | None = None) -> list[tuple[dict[str, str], float]]:
         """Instant vector as (labels, value) pairs; raises :class:`QueryFailed` with a reason."""
@@ -170,9 +192,45 @@ class PrometheusSource:
             return None
         return value
 
+    def _check_arrival(self, arrival: float) -> float:
+        """The arrival rate, with estimation noise below zero read as 0; QueryFailed if it lies."""
+        if arrival < 0:
+            # A queue that empties mid-window makes deriv() overshoot by up to 1.5·Δqueue/window.
+            noise = 1.5 * self.max_num_seqs / self.rate_window_s if self.max_num_seqs else 0.0
+            if arrival < -noise - 1e-9:
+                raise QueryFailed(FailureReason.IMPLAUSIBLE, f"arrival_rate is negative ({arrival:g} req/s)")
+            return 0.0
+        if self.max_rate_rps is not None and arrival > self.max_rate_rps:
+            raise QueryFailed(
+                FailureReason.IMPLAUSIBLE,
+                f"arrival_rate {arrival:.1f} req/s is above the plausible {self.max_rate_rps:g}",
+            )
+        return arrival
+
+    def _running(self, now: float) -> float | None:
+        result = self.query(self.queries["running"], now)
+        if not result or not all(math.isfinite(v) for _, v in result):
+            return None
+        running = sum(v for _, v in result)
+        if running < 0:
+            raise QueryFailed(FailureReason.IMPLAUSIBLE, f"running is negative ({running:g})")
+        if self.max_num_seqs is not None and running > self.max_num_seqs * max(len(result), 1):
+            raise QueryFailed(
+                FailureReason.IMPLAUSIBLE, f"running is {running:g}, above max_num_seqs={self.max_num_seqs}"
+            )
+        return running
+
     def observe(self, now: float) -> ObserveResult:
+        # One budget for all of this tick's queries: a slow Prometheus cannot stretch a tick.
+        self._observe_deadline = time.monotonic() + OBSERVE_BUDGET_TIMEOUTS * self.timeout_s
         try:
-            arrival = self._scalar("arrival_rate", now, required=True)
+            return self._observe(now)
+        finally:
+            self._observe_deadline = None
+
+    def _observe(self, now: float) -> ObserveResult:
+        try:
+            arrival = self._check_arrival(self._scalar("arrival_rate", now, required=True))
             age = self._scalar("sample_age", now, required=True)
             sd_present = self._scalar("sd_present", now, required=False) is not None
             acceptance = positions = mean_draft = None
@@ -181,11 +239,11 @@ class PrometheusSource:
                 mean_draft = self._scalar("mean_draft_tokens", now, required=False)
                 pos = self.query(self.queries["position_acceptance"], now)
                 if pos and all(math.isfinite(v) for _, v in pos):
-                    ordered = sorted(pos, key=lambda lv: int(lv[0].get("position", "0")))
+                    ordered = sorted(pos, key=lambda lv: _position(lv[0]))
                     positions = tuple(min(max(v, 0.0), 1.0) for _, v in ordered)
             return Observation(
                 time_s=now,
-                arrival_rate_rps=max(arrival, 0.0) if arrival is not None else None,
+                arrival_rate_rps=arrival,
                 arrival_rate_long_rps=_nonneg(self._scalar("arrival_rate_long", now, required=False)),
                 arrival_rate_peak_rps=_nonneg(self._scalar("arrival_rate_peak", now, required=False)),
                 acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
@@ -193,7 +251,7 @@ class PrometheusSource:
                 mean_draft_tokens=mean_draft,
                 mean_prompt_tokens=self._scalar("mean_prompt_tokens", now, required=False),
                 mean_gen_tokens=self._scalar("mean_gen_tokens", now, required=False),
-                running=self._scalar("running", now, required=False),
+                running=self._running(now),
                 waiting=self._scalar("waiting", now, required=False),
                 mean_e2e_latency_s=self._scalar("mean_e2e_latency", now, required=False),
                 sd_series_present=sd_present,
@@ -201,6 +259,15 @@ class PrometheusSource:
             )
         except QueryFailed as exc:
             return ObservationFailure(exc.reason, exc.detail)
+
+
+def _position(labels: dict[str, str]) -> int:
+    raw = labels.get("position", "0")
+    if not raw.isdigit():
+        raise QueryFailed(
+            FailureReason.IMPLAUSIBLE, f"position_acceptance: position label {raw[:20]!r} is not an integer"
+        )
+    return int(raw)
 
 
 def _nonneg(v: float | None) -> float | None:

@@ -4,6 +4,13 @@ Parsing is prometheus-client's text parser. vLLM's counters reset at every resta
 SD toggle is a restart): a counter that went down, appeared, or whose ``_created`` timestamp
 changed restarted from zero, so its increase over that interval is its new value, never a
 negative or a huge jump.
+
+Data that parses but cannot be true is held with reason ``implausible`` and kept out of the
+history: a counter that went down while its ``_created`` stayed the same (a glitch, not a
+restart), a negative counter, more running requests than ``max_num_seqs`` per engine, or a
+completion rate above ``max_rate_rps`` (what the server could possibly serve). After
+``MAX_IMPLAUSIBLE_STREAK`` such scrapes in a row the history starts over (warming up again), so
+a lasting shift cannot hold the controller forever.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
+from controller import deadline
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 
 SUCCESS = "vllm:request_success"
@@ -30,6 +38,7 @@ GENERATION = "vllm:request_generation_tokens"
 E2E = "vllm:e2e_request_latency_seconds"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+MAX_IMPLAUSIBLE_STREAK = 3
 
 
 @dataclass
@@ -41,6 +50,7 @@ class Snapshot:
     created: dict[str, float] = field(default_factory=dict)  # key -> _created timestamp
     gauges: dict[str, float] = field(default_factory=dict)
     sd_present: bool = False
+    running_engines: int = 0  # series of vllm:num_requests_running (one per engine)
 
 
 _WANTED = (SUCCESS, DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS, RUNNING, WAITING)
@@ -84,6 +94,7 @@ def parse_snapshot(text: str, now: float, model_name: str | None = None) -> Snap
                 snap.created[k] = min(snap.created.get(k, math.inf), value)
             elif kind == "gauge":
                 snap.gauges[k] = snap.gauges.get(k, 0.0) + value
+                snap.running_engines += k == RUNNING
             else:
                 snap.counters[k] = snap.counters.get(k, 0.0) + value
             if family.name == DRAFTS:
@@ -131,6 +142,42 @@ def _restarted(prev: Snapshot, cur: Snapshot, key: str) -> bool:
     return c_prev is not None and c_cur is not None and abs(c_cur - c_prev) > 1e-6
 
 
+def implausible(
+    prev: Snapshot | None, cur: Snapshot, max_num_seqs: int | None = None, max_rate_rps: float | None = None
+) -> str | None:
+    """Why ``cur`` (after ``prev``) cannot be true, or None. Pure: a table test reads it."""
+    for name, values in (("counter", cur.counters), ("gauge", cur.gauges)):
+        for key, value in values.items():
+            if value < 0:
+                return f"{_series(key)} is negative ({value:g}): a {name} never is"
+    running = cur.gauges.get(RUNNING)
+    if max_num_seqs is not None and running is not None and running > max_num_seqs * max(cur.running_engines, 1):
+        return f"{RUNNING} is {running:g}, above max_num_seqs={max_num_seqs}"
+    if prev is None:
+        return None
+    for key, value in cur.counters.items():
+        before = prev.counters.get(key)
+        created_key = key[: -len("_count")] + "_sum" if key.endswith("_count") else key
+        c_prev, c_cur = prev.created.get(created_key), cur.created.get(created_key)
+        same_start = c_prev is not None and c_cur is not None and abs(c_cur - c_prev) <= 1e-6
+        if before is not None and value < before and same_start:
+            return f"{_series(key)} went down from {before:g} to {value:g} with _created unchanged (no restart)"
+    dt = cur.time_s - prev.time_s
+    inc = increase([prev, cur], SUCCESS)
+    if max_rate_rps is not None and inc is not None and dt > 0 and inc / dt > max_rate_rps:
+        return f"{SUCCESS}_total grew {inc:g} in {dt:g}s ({inc / dt:.1f} req/s, above the plausible {max_rate_rps:g})"
+    return None
+
+
+def _series(key: str) -> str:
+    """The exposition name of a snapshot key, for messages."""
+    if key.startswith(ACCEPTED_PER_POS + ":"):
+        return f'{ACCEPTED_PER_POS}_total{{position="{key.rsplit(":", 1)[1]}"}}'
+    if key.endswith(("_sum", "_count")) or key in (RUNNING, WAITING):
+        return key
+    return key + "_total"
+
+
 def increase(history: list[Snapshot], key: str) -> float | None:
     """Counter increase across the snapshots, reset-aware; None if absent at the end."""
     if key not in history[-1].counters:
@@ -156,6 +203,8 @@ class VllmMetricsSource:
         long_window_s: float = 900.0,
         timeout_s: float = 5.0,
         session: requests.Session | None = None,
+        max_num_seqs: int | None = None,
+        max_rate_rps: float | None = None,
     ) -> None:
         if (url is None) == (fetch is None):
             raise ValueError("give exactly one of url or fetch")
@@ -166,8 +215,11 @@ class VllmMetricsSource:
         self.acceptance_window_s = acceptance_window_s
         self.long_window_s = long_window_s
         self.timeout_s = timeout_s
-        self._session = session or requests.Session()
+        self._session = deadline.session(session)
+        self.max_num_seqs = max_num_seqs
+        self.max_rate_rps = max_rate_rps
         self._history: deque[Snapshot] = deque()
+        self._implausible_streak = 0
 
     @retry(
         retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout)),
@@ -177,7 +229,8 @@ class VllmMetricsSource:
     )
     def _http_fetch(self) -> str:
         assert self.url is not None
-        resp = self._session.get(self.url, timeout=self.timeout_s)
+        # timeout_s bounds the whole request: a peer that drips bytes cannot hold the tick.
+        resp = deadline.request(self._session, "GET", self.url, self.timeout_s)
         if resp.status_code != 200:
             raise _HttpStatus(resp.status_code)
         return resp.text
@@ -201,6 +254,17 @@ class VllmMetricsSource:
             return ObservationFailure(FailureReason.NAN, "non-finite value in /metrics")
         if self._history and now <= self._history[-1].time_s:
             self._history.clear()  # clock went backwards: start over rather than divide by <= 0
+        why = implausible(self._history[-1] if self._history else None, snap, self.max_num_seqs, self.max_rate_rps)
+        if why is not None:
+            self._implausible_streak += 1
+            if self._implausible_streak >= MAX_IMPLAUSIBLE_STREAK:
+                # Lasting, not a glitch: believe the new level from here on (rates from scratch).
+                self._history.clear()
+                self._implausible_streak = 0
+                if implausible(None, snap, self.max_num_seqs, self.max_rate_rps) is None:
+                    self._history.append(snap)
+            return ObservationFailure(FailureReason.IMPLAUSIBLE, f"{self.url or 'metrics'}: {why}"[:300])
+        self._implausible_streak = 0
         self._history.append(snap)
         horizon = max(self.rate_window_s, self.acceptance_window_s, self.long_window_s)
         while len(self._history) > 2 and self._history[1].time_s <= now - horizon:
