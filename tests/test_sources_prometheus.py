@@ -58,6 +58,10 @@ def test_observes_rates_acceptance_and_reset(fake_vllm, prometheus_server):
         assert isinstance(o, Observation), o
         assert 4 <= o.arrival_rate_rps <= 12  # 8 req/s nominal
         assert o.acceptance_rate == pytest.approx(0.6, abs=0.02)
+        # Every request of this traffic has 400 prompt and 100 generated tokens: the bucket
+        # increases (by `le`, through PromQL) say the spread is small, not missing.
+        assert o.prompt_tokens_std is not None and o.prompt_tokens_std < 60
+        assert o.gen_tokens_std is not None and o.gen_tokens_std < 40  # within its (50, 100] bucket
         assert o.position_acceptance == pytest.approx((0.8, 0.7, 0.5, 0.4), abs=0.03)
         assert o.mean_prompt_tokens == pytest.approx(400, rel=0.02)
         assert o.mean_gen_tokens == pytest.approx(100, rel=0.02)

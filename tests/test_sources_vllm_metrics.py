@@ -237,3 +237,40 @@ def test_running_bound_is_per_engine():
     src.observe(2000.0)
     feed.text = exposition(160, created=1000.0, running=400, engines=2)
     assert isinstance(src.observe(2060.0), Observation)
+
+
+def test_length_spread_from_the_histogram_buckets():
+    # The simulator exports vLLM 0.32's length histograms; the source reads the spread of the
+    # lengths finished in its window from the bucket increases (the model's residence-weighted
+    # context needs it), close to the spread of the requests that actually finished.
+    import numpy as np
+
+    from controller.calibration import load
+    from controller.commands._common import example_calibration_path
+    from controller.sim.engine import F_FIN, F_GEN, F_PROMPT, Engine
+    from controller.sim.scenarios import Scenario
+
+    sc = Scenario.model_validate(
+        {
+            "duration_s": 900, "seed": 3, "arrival_rate": {"kind": "constant", "value": 4},
+            "engine": {"initial_sd": False},
+            # lengths within the buckets of the captured vLLM (1-2-5 up to 1000, then +Inf)
+            "classes": [{"name": "chat", "prompt_tokens": {"kind": "lognormal", "mean": 300, "sigma": 0.5, "max": 1000},
+                         "gen_tokens": {"kind": "lognormal", "mean": 150, "sigma": 0.6, "max": 1000}}],
+        }
+    )  # fmt: skip
+    engine = Engine(sc, load(example_calibration_path()).latency_model())
+    clock = Clock(engine.now)
+    src = VllmMetricsSource(fetch=engine.render_metrics, acceptance_window_s=600, rate_window_s=60)
+    engine.advance_to(120)
+    clock.t = engine.now
+    assert isinstance(src.observe(clock()), ObservationFailure)  # warming up
+    start = engine.t
+    engine.advance_to(720)
+    o = src.observe(engine.now)
+    assert isinstance(o, Observation)
+    log = engine.finished_log()
+    done = log[(log[:, F_FIN] > start) & (log[:, F_FIN] <= engine.t)]
+    assert o.gen_tokens_std == pytest.approx(float(np.std(done[:, F_GEN])), rel=0.15)
+    assert o.prompt_tokens_std == pytest.approx(float(np.std(done[:, F_PROMPT])), rel=0.15)
+    assert o.mean_gen_tokens == pytest.approx(float(np.mean(done[:, F_GEN])), rel=0.02)

@@ -23,6 +23,7 @@ import requests
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from controller import deadline
+from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 
 DEFAULT_QUERIES: dict[str, str] = {
@@ -58,6 +59,9 @@ DEFAULT_QUERIES: dict[str, str] = {
         "sum(rate(vllm:request_generation_tokens_sum{$SEL}[$AW]))"
         " / sum(rate(vllm:request_generation_tokens_count{$SEL}[$AW]))"
     ),
+    # Bucket increases by `le`: the spread of the lengths (controller/histograms.py).
+    "prompt_tokens_buckets": "sum by (le) (increase(vllm:request_prompt_tokens_bucket{$SEL}[$AW]))",
+    "gen_tokens_buckets": "sum by (le) (increase(vllm:request_generation_tokens_bucket{$SEL}[$AW]))",
     "mean_e2e_latency": (
         "sum(rate(vllm:e2e_request_latency_seconds_sum{$SEL}[$AW]))"
         " / sum(rate(vllm:e2e_request_latency_seconds_count{$SEL}[$AW]))"
@@ -220,6 +224,21 @@ class PrometheusSource:
             )
         return running
 
+    def _spread(self, name: str, now: float, mean: float | None) -> float | None:
+        """Standard deviation from a ``sum by (le)`` bucket query; None when it cannot be read
+        (absent series, a non-numeric ``le``): a spread is optional, never a reason to hold."""
+        if mean is None:
+            return None
+        try:
+            rows = self.query(self.queries[name], now)
+        except QueryFailed:
+            return None
+        pairs = [(_le(labels), v) for labels, v in rows]
+        if not pairs or any(le is None or not math.isfinite(v) for le, v in pairs):
+            return None
+        pairs.sort(key=lambda p: p[0])  # type: ignore[arg-type,return-value]
+        return std_from_buckets([p[0] for p in pairs], [p[1] for p in pairs], mean)  # type: ignore[misc]
+
     def observe(self, now: float) -> ObserveResult:
         # One budget for all of this tick's queries: a slow Prometheus cannot stretch a tick.
         self._observe_deadline = time.monotonic() + OBSERVE_BUDGET_TIMEOUTS * self.timeout_s
@@ -241,6 +260,8 @@ class PrometheusSource:
                 if pos and all(math.isfinite(v) for _, v in pos):
                     ordered = sorted(pos, key=lambda lv: _position(lv[0]))
                     positions = tuple(min(max(v, 0.0), 1.0) for _, v in ordered)
+            mean_prompt = self._scalar("mean_prompt_tokens", now, required=False)
+            mean_gen = self._scalar("mean_gen_tokens", now, required=False)
             return Observation(
                 time_s=now,
                 arrival_rate_rps=arrival,
@@ -249,8 +270,10 @@ class PrometheusSource:
                 acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
                 position_acceptance=positions,
                 mean_draft_tokens=mean_draft,
-                mean_prompt_tokens=self._scalar("mean_prompt_tokens", now, required=False),
-                mean_gen_tokens=self._scalar("mean_gen_tokens", now, required=False),
+                mean_prompt_tokens=mean_prompt,
+                mean_gen_tokens=mean_gen,
+                prompt_tokens_std=self._spread("prompt_tokens_buckets", now, mean_prompt),
+                gen_tokens_std=self._spread("gen_tokens_buckets", now, mean_gen),
                 running=self._running(now),
                 waiting=self._scalar("waiting", now, required=False),
                 mean_e2e_latency_s=self._scalar("mean_e2e_latency", now, required=False),
@@ -259,6 +282,13 @@ class PrometheusSource:
             )
         except QueryFailed as exc:
             return ObservationFailure(exc.reason, exc.detail)
+
+
+def _le(labels: dict[str, str]) -> float | None:
+    try:
+        return float(labels.get("le", ""))
+    except ValueError:
+        return None
 
 
 def _position(labels: dict[str, str]) -> int:

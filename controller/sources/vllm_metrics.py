@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from controller import deadline
+from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 
 SUCCESS = "vllm:request_success"
@@ -55,6 +56,7 @@ class Snapshot:
 
 _WANTED = (SUCCESS, DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS, RUNNING, WAITING)
 _WANTED_HIST = (PROMPT, GENERATION, E2E)
+_SPREAD_HIST = (PROMPT, GENERATION)  # their buckets give the lengths' spread
 
 
 def _relevant(text: str) -> str:
@@ -69,7 +71,9 @@ def _relevant(text: str) -> str:
             name = parts[2] if len(parts) > 2 else ""
         else:
             name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.startswith(_WANTED) or (name.startswith(_WANTED_HIST) and not name.endswith("_bucket")):
+        if name.startswith(_WANTED) or (
+            name.startswith(_WANTED_HIST) and (not name.endswith("_bucket") or name.startswith(_SPREAD_HIST))
+        ):
             keep.append(line)
     return "\n".join(keep) + "\n"
 
@@ -119,6 +123,8 @@ def _key(family: str, sample: str, labels: dict[str, str]) -> tuple[str, str] | 
         if sample.endswith("_created"):
             return "created", f"{family}:{pos}"
         return ("counter", f"{family}:{pos}") if sample.endswith("_total") else None
+    if family in _SPREAD_HIST and sample == family + "_bucket":
+        return "counter", f"{family}_bucket:{labels.get('le', '?')}"
     if family in (PROMPT, GENERATION, E2E):
         for suffix in ("_sum", "_count"):
             if sample == family + suffix:
@@ -131,9 +137,19 @@ def _key(family: str, sample: str, labels: dict[str, str]) -> tuple[str, str] | 
     return None
 
 
+def _created_key(key: str) -> str:
+    """Histograms carry one _created for _sum, _count and every bucket (stored under _sum)."""
+    if "_bucket:" in key:
+        return key.split("_bucket:", 1)[0] + "_sum"
+    return key[: -len("_count")] + "_sum" if key.endswith("_count") else key
+
+
 def _restarted(prev: Snapshot, cur: Snapshot, key: str) -> bool:
     # Histograms carry one _created for _sum and _count (stored under the _sum key).
-    created_key = key[: -len("_count")] + "_sum" if key.endswith("_count") else key
+    if "_bucket:" in key:  # buckets share their histogram's _created too
+        created_key = key.split("_bucket:", 1)[0] + "_sum"
+    else:
+        created_key = _created_key(key)
     if key not in prev.counters:
         return True
     if cur.counters[key] < prev.counters[key]:
@@ -157,7 +173,7 @@ def implausible(
         return None
     for key, value in cur.counters.items():
         before = prev.counters.get(key)
-        created_key = key[: -len("_count")] + "_sum" if key.endswith("_count") else key
+        created_key = _created_key(key)
         c_prev, c_cur = prev.created.get(created_key), cur.created.get(created_key)
         same_start = c_prev is not None and c_cur is not None and abs(c_cur - c_prev) <= 1e-6
         if before is not None and value < before and same_start:
@@ -297,6 +313,29 @@ class VllmMetricsSource:
             return None
         return a / b
 
+    def _spread(self, now: float, window_s: float, family: str, mean: float | None) -> float | None:
+        """Standard deviation of the lengths finished in the window, from the bucket increases."""
+        win = self._window(now, window_s)
+        if len(win) < 2 or mean is None:
+            return None
+        prefix = family + "_bucket:"
+        bounds, counts = [], []
+        for key in win[-1].counters:
+            if key.startswith(prefix):
+                try:
+                    le = float(key[len(prefix) :])
+                except ValueError:
+                    return None
+                inc = increase(win, key)
+                if inc is None:
+                    return None
+                bounds.append(le)
+                counts.append(inc)
+        if not bounds:
+            return None
+        order = sorted(range(len(bounds)), key=bounds.__getitem__)
+        return std_from_buckets([bounds[i] for i in order], [counts[i] for i in order], mean)
+
     def _arrival(self, now: float, window_s: float) -> float | None:
         """Completions per second plus the growth of the running and waiting queues."""
         done = self._rate(now, window_s, SUCCESS)
@@ -340,6 +379,8 @@ class VllmMetricsSource:
             per_pos = [self._ratio(now, aw, k, DRAFTS) for k in pos_keys]
             if per_pos and all(p is not None for p in per_pos):
                 positions = tuple(min(max(p, 0.0), 1.0) for p in per_pos)  # type: ignore[arg-type]
+        mean_prompt = self._ratio(now, aw, PROMPT + "_sum", PROMPT + "_count")
+        mean_gen = self._ratio(now, aw, GENERATION + "_sum", GENERATION + "_count")
         try:
             return Observation(
                 time_s=now,
@@ -349,8 +390,10 @@ class VllmMetricsSource:
                 acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
                 position_acceptance=positions,
                 mean_draft_tokens=mean_draft,
-                mean_prompt_tokens=self._ratio(now, aw, PROMPT + "_sum", PROMPT + "_count"),
-                mean_gen_tokens=self._ratio(now, aw, GENERATION + "_sum", GENERATION + "_count"),
+                mean_prompt_tokens=mean_prompt,
+                mean_gen_tokens=mean_gen,
+                prompt_tokens_std=self._spread(now, aw, PROMPT, mean_prompt),
+                gen_tokens_std=self._spread(now, aw, GENERATION, mean_gen),
                 running=cur.gauges.get(RUNNING),
                 waiting=cur.gauges.get(WAITING),
                 mean_e2e_latency_s=self._ratio(now, aw, E2E + "_sum", E2E + "_count"),
