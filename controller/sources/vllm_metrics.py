@@ -145,11 +145,7 @@ def _created_key(key: str) -> str:
 
 
 def _restarted(prev: Snapshot, cur: Snapshot, key: str) -> bool:
-    # Histograms carry one _created for _sum and _count (stored under the _sum key).
-    if "_bucket:" in key:  # buckets share their histogram's _created too
-        created_key = key.split("_bucket:", 1)[0] + "_sum"
-    else:
-        created_key = _created_key(key)
+    created_key = _created_key(key)
     if key not in prev.counters:
         return True
     if cur.counters[key] < prev.counters[key]:
