@@ -13,28 +13,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from controller import calibration as cal
 from controller.atomic import write_bytes_atomic
 
-# The first six are the original micro-benchmark format; calibrate still reads 6-column files.
-BENCH_COLUMNS = (
-    "phase",
-    "batch_size",
-    "tokens_per_seq",
-    "context_len",
-    "iteration",
-    "latency_s",
-    "draft_length",
-    "chunk_tokens",
-)
-# The first seven are the original load-test format (calibrate's --load-test input).
+# What calibrate reads is defined once, in controller.calibration; this adds what a load test
+# also records for people (percentiles, the halves behind the saturation flag).
+BENCH_COLUMNS = (*cal.BENCH_COLUMNS, *cal.BENCH_OPTIONAL_COLUMNS)
 LOAD_COLUMNS = (
-    "rate",
-    "sd",
-    "draft_length",
-    "acceptance_rate",
-    "mean_e2e_s",
-    "mean_prompt_tokens",
-    "mean_gen_tokens",
+    *cal.LOAD_COLUMNS,
     "gen_tokens_std",
     "prompt_tokens_std",
     "duration_s",
