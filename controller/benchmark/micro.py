@@ -8,13 +8,11 @@ never anything a real server would not show. Rows (``csvio.BenchRow``), per batc
   (last done − first sent). On an SD server it includes the draft model's prefill, so run it
   against both servers: the difference is the draft's prefill cost.
 * ``target`` (SD off) / ``verify`` (SD on, γ = draft_length): B concurrent requests of N
-  tokens. The first token comes out of the prefill step, so the decode window is last done −
-  last first token, and it holds N − 1 steps with SD off; with SD a step yields 1 + accepted
-  tokens, so steps per sequence = (B·(N − 1) − Δaccepted) / B from the server's own counter.
-  Step time = window / steps; tokens_per_seq = 1 (target) or γ + 1 (verify); context_len =
-  P + N/2. Bias with SD: tokens accepted in the last step past ``max_tokens`` are counted by
-  vLLM but not emitted, so the step count reads up to γ steps short per sequence at worst (less
-  than one on average) and the step time a few % high for short N: choose N ≫ γ.
+  tokens, streamed with a chunk trace. Each chunk is one engine step's output, so the step time
+  is the mean chunk interval between the last first token and the first finish (every sequence
+  decoding: no prompt still prefilling, no sequence gone). Without a trace: the mean decode
+  duration over the mean step count ((B·(N − 1) − Δaccepted) / B from vLLM's counter).
+  tokens_per_seq = 1 (target) or γ + 1 (verify); context_len = P + N/2.
 * ``mixed``: one engine step carrying B decoders plus one prefill chunk of C prompt tokens.
   Run A: B decoders alone (N₂ tokens) give the decode step τ. Run B: the same decoders plus M
   single requests (C-token prompt, ``max_tokens=1``) injected after the decoders' prefill and
