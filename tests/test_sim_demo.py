@@ -13,8 +13,8 @@ kind: sd-controller/scenario
 name: short
 duration_s: 2400
 seed: 2
-arrival_rate: {kind: piecewise, points: [[0, 4], [900, 15.8], [2400, 15.8]]}
-acceptance: {kind: constant, value: 0.8}
+arrival_rate: {kind: piecewise, points: [[0, 4], [900, 17.5], [2400, 17.5]]}
+acceptance: {kind: constant, value: 0.6}
 engine: {restart_downtime_s: 30, restart_jitter_s: 0}
 """
 
