@@ -469,10 +469,6 @@ class ModeCurve:
         """Latency if every step cost were ``cost_scale`` times larger: s·T(s·λ)."""
         return cost_scale * self.latency_s(rate_rps * cost_scale)
 
-    def step_s(self, batch: float) -> float:
-        """One decode/verify step (no prompt in it) at this batch."""
-        return self.step(batch)
-
     def throughput_at_batch(self, batch: float, budget: float | None, prompt_tokens: float) -> float:
         """Requests per second completed with ``batch`` running (a backlog being drained)."""
         b = min(batch, self.batch_bound)
@@ -636,7 +632,7 @@ def predict_point(
     if rate_rps < 0 or not math.isfinite(rate_rps):
         raise ValueError("arrival rate must be finite and >= 0")
     off, on = curves(model, alpha, draft_length, workload, accepted_length)
-    en = _clamped_en(alpha, max(draft_length, 0), accepted_length) if draft_length > 0 else 1.0
+    en = _clamped_en(alpha, draft_length, accepted_length) if draft_length > 0 else 1.0
     t_off, t_on = off.latency_s(rate_rps), on.latency_s(rate_rps)
     s_off = INTERVAL_Z * model.relative_sd_off
     s_on = INTERVAL_Z * model.relative_sd_on if draft_length > 0 else s_off
@@ -713,7 +709,7 @@ def predict(
     r, a, g, e = np.broadcast_arrays(
         rate, np.asarray(alpha, dtype=float), np.asarray(draft_length), np.asarray(en_in, dtype=float)
     )
-    out = np.empty((9, *r.shape))
+    out = np.empty((8, *r.shape))
     for idx in np.ndindex(r.shape):
         gamma = int(g[idx])
         p = predict_point(
@@ -722,7 +718,7 @@ def predict(
         out[(slice(None), *idx)] = (
             p.latency_off_s, p.batch_off, p.stability_limit_off_rps,
             p.latency_on_s, p.batch_on, p.stability_limit_on_rps,
-            p.speedup, p.accepted_length, 0.0,
+            p.speedup, p.accepted_length,
         )  # fmt: skip
     off = ModePrediction(out[0], out[1], np.isinf(out[0]), out[2])
     on = ModePrediction(out[3], out[4], np.isinf(out[3]), out[5])

@@ -152,7 +152,7 @@ def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSumm
                 false_overloads=sum(c.predicted_overloaded and not c.measured_saturated for c in group),
                 limit_predicted_rps=limit,
                 limit_measured_rps=bracket,
-                limit_error=_limit_error(limit, bracket) if (bracket[0] or bracket[1]) else None,
+                limit_error=_limit_error(limit, bracket),
             )
         )
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from collections.abc import Callable
 from importlib import resources
@@ -21,6 +22,11 @@ def example_calibration_path() -> Path:
 def calibration_path(value: str) -> Path:
     """``example`` names the shipped example calibration; anything else is a path."""
     return example_calibration_path() if value == EXAMPLE_CALIBRATION else Path(value)
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """JSON has no infinity: an overloaded or unknown number becomes null."""
+    return None if x is None or not math.isfinite(x) else x
 
 
 def float_list(option: str) -> Callable[[str], list[float]]:

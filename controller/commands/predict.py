@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from rich.table import Table
 
 from controller import calibration as cal_mod
 from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
-from controller.commands._common import calibration_path, exits_on_input_error, float_list, int_list
+from controller.commands._common import calibration_path, exits_on_input_error, finite_or_none, float_list, int_list
 from controller.errors import InputError
 from controller.model import (
     DEFAULT_DRAFT_LENGTHS,
@@ -73,10 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, help="override the calibration's max_num_seqs")
     p.add_argument("--plot", type=Path, help="write speedup-vs-rate curves (PNG)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of tables")
-
-
-def _num(x: float) -> float | None:
-    return None if not math.isfinite(x) else x
 
 
 @exits_on_input_error
@@ -139,19 +134,19 @@ def build_report(
         for g in draft_lengths:
             p = predict_point(model, r, alpha, g, workload)
             points.append({
-                "rate_rps": r, "draft_length": g, "speedup": _num(p.speedup),
+                "rate_rps": r, "draft_length": g, "speedup": finite_or_none(p.speedup),
                 "accepted_length": p.accepted_length,
-                "latency_off_s": _num(p.latency_off_s), "latency_on_s": _num(p.latency_on_s),
-                "latency_off_interval_s": [_num(p.latency_off_lo_s), _num(p.latency_off_hi_s)],
-                "latency_on_interval_s": [_num(p.latency_on_lo_s), _num(p.latency_on_hi_s)],
-                "speedup_interval": [_num(p.speedup_lo), _num(p.speedup_hi)],
+                "latency_off_s": finite_or_none(p.latency_off_s), "latency_on_s": finite_or_none(p.latency_on_s),
+                "latency_off_interval_s": [finite_or_none(p.latency_off_lo_s), finite_or_none(p.latency_off_hi_s)],
+                "latency_on_interval_s": [finite_or_none(p.latency_on_lo_s), finite_or_none(p.latency_on_hi_s)],
+                "speedup_interval": [finite_or_none(p.speedup_lo), finite_or_none(p.speedup_hi)],
                 "batch_off": p.batch_off, "batch_on": p.batch_on,
                 "overloaded_off": p.overloaded_off, "overloaded_on": p.overloaded_on,
             })  # fmt: skip
     best = []
     for r in rates:
         c = best_draft_length(model, r, alpha, workload, candidates)
-        best.append({"rate_rps": r, "draft_length": c.draft_length, "speedup": _num(c.speedup)})
+        best.append({"rate_rps": r, "draft_length": c.draft_length, "speedup": finite_or_none(c.speedup)})
     breaks = []
     limits_on = {}
     limit_off = None

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from controller import calibration as cal_mod
-from controller.commands._common import calibration_path, exits_on_input_error
+from controller.commands._common import calibration_path, exits_on_input_error, finite_or_none
 from controller.validation import ValidationReport, validate
 
 
@@ -29,10 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, help="write predicted vs measured latency per mode (PNG)")
 
 
-def _num(x: float | None) -> float | None:
-    return None if x is None or not math.isfinite(x) else x
-
-
 def to_dict(report: ValidationReport) -> dict[str, Any]:
     """JSON-safe report (+inf predictions become null with overloaded = true)."""
     return {
@@ -46,8 +42,8 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 "rate_rps": c.row.rate,
                 "measured_s": c.row.mean_e2e_s,
                 "measured_saturated": c.measured_saturated,
-                "predicted_s": _num(c.predicted_s),
-                "predicted_interval_s": [_num(c.predicted_lo_s), _num(c.predicted_hi_s)],
+                "predicted_s": finite_or_none(c.predicted_s),
+                "predicted_interval_s": [finite_or_none(c.predicted_lo_s), finite_or_none(c.predicted_hi_s)],
                 "predicted_overloaded": c.predicted_overloaded,
                 "error": c.error,
             }
@@ -62,7 +58,7 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 "saturated_runs": m.saturated_runs,
                 "saturated_flagged": m.saturated_flagged,
                 "false_overloads": m.false_overloads,
-                "limit_predicted_rps": _num(m.limit_predicted_rps),
+                "limit_predicted_rps": finite_or_none(m.limit_predicted_rps),
                 "limit_measured_rps": list(m.limit_measured_rps),
                 "limit_error": m.limit_error,
             }

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from controller import calibration as cal_mod
 from controller.benchmark import csvio
 from controller.benchmark.loadtest import LoadPlan, run_load
@@ -139,8 +141,6 @@ def load_test(
         )
 
         def make(rate, duration, rng, _w=workload):
-            import numpy as np
-
             return poisson_load(rate, duration, _w, np.random.default_rng(rng.randrange(2**32)))
 
         rows_all.extend(run_load(server, make, plan))
