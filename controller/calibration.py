@@ -568,11 +568,15 @@ def draft_passes(row: BenchRow, budget: int | None) -> Passes:
     b, gamma, ctx = row.batch_size, row.draft_length, row.context_len
     if row.phase == "prefill":
         return _prefill_passes(b * row.tokens_per_seq, b, budget)
+    # vLLM v1's proposer runs the draft first over every token the target just processed (the
+    # γ+1 verified tokens of each sequence and any prompt chunk, to catch its KV up), then γ − 1
+    # single-token passes.
+    step = b * (gamma + 1.0)
     if row.phase == "mixed":
-        return ((1.0, b + row.chunk_tokens, b * ctx, b + 1.0), (gamma - 1.0, float(b), b * ctx, float(b)))
+        return ((1.0, step + row.chunk_tokens, b * ctx, b + 1.0), (gamma - 1.0, float(b), b * ctx, float(b)))
     if row.phase == "draft":  # a direct measurement of one draft pass
         return ((1.0, float(b * row.tokens_per_seq), b * ctx, float(b)),)
-    return ((float(gamma), float(b), b * ctx, float(b)),)  # verify
+    return ((1.0, step, b * ctx, float(b)), (gamma - 1.0, float(b), b * ctx, float(b)))  # verify
 
 
 @dataclass(frozen=True)
@@ -870,6 +874,32 @@ def _kv_tokens(rows: Sequence[BenchRow], sd: bool) -> int | None:
     return int(min(caps)) if caps else None
 
 
+# A batch whose KV context fills this much of the cache is about to be preempted as it grows.
+KV_FILL_LIMIT = 0.98
+
+
+def drop_over_kv(rows: Sequence[BenchRow]) -> tuple[list[BenchRow], int]:
+    """Rows whose batch could not hold its KV context in the measured server's cache, removed.
+
+    Past the cache vLLM preempts and recomputes sequences, so such a step time measures the
+    preemption, not the pass: fitting it would bend the context slope. Needs the ``kv_cache``
+    row of the same server (same draft length); without it nothing is dropped.
+    """
+    caps = {r.draft_length: r.context_len for r in rows if r.phase == "kv_cache" and r.context_len > 0}
+    kept, dropped = [], 0
+    for r in rows:
+        cap = caps.get(r.draft_length)
+        if (
+            cap is not None
+            and r.phase in ("target", "verify", "mixed")
+            and r.batch_size * r.context_len > KV_FILL_LIMIT * cap
+        ):
+            dropped += 1
+            continue
+        kept.append(r)
+    return kept, dropped
+
+
 def fit_phases(
     rows: Sequence[BenchRow],
     warmup: int = DEFAULT_WARMUP,
@@ -878,8 +908,11 @@ def fit_phases(
     budget: int | None = None,
 ) -> tuple[Phases, Uncertainty]:
     """Fit the target and draft passes; prefill (or mixed), target and verify rows are required."""
-    kept = drop_warmup(rows, warmup, where)
+    kept, dropped = drop_over_kv(drop_warmup(rows, warmup, where))
     target = fit_target(kept, budget, moe, where)
+    if dropped:
+        note = f"{dropped} row(s) dropped: their batch's KV context exceeds the server's KV cache (vLLM preempts)"
+        target = target.model_copy(update={"fit": target.fit.model_copy(update={"notes": [*target.fit.notes, note]})})
     draft, overhead, _draft_prefill = fit_draft(kept, target.step_cost(), budget, where)
     unc = Uncertainty(
         relative_sd_off=min(target.fit.relative_rmse if target.fit else 0.0, 1.0),

@@ -169,7 +169,7 @@ class Controller:
         assessment = None
         if failure is None and isinstance(obs, Observation):
             assessment = assess(self.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now)
-        decision, state = policy.decide(s, state, obs, assessment, override, now)
+        decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
         events = events + decision.events
         acted = False
         if decision.acts and not self.dry_run:

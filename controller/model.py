@@ -47,6 +47,7 @@ DEFAULT_GEN_CV = 1.0
 # Half-width of a prediction interval in units of the calibration's relative residual (≈ 90 %).
 INTERVAL_Z = 1.645
 PREFILL_WAIT_STEPS = 1.5  # half a step in flight + the prompt's own (mixed) step
+OTHER_PROMPTS_SHARE = 0.0
 
 
 @dataclass(frozen=True)
@@ -362,21 +363,32 @@ def _mode_pieces(
             step.add_pass(verify, 1.0, k, 0.0, ctx)
         else:
             step.add_pass(target, 1.0, k, 0.0, ctx)
-        step.add_pass(draft, draft_length, 1.0, 0.0, ctx)
+        if verify is None:
+            # vLLM v1's proposer: one draft pass over the step's tokens (the verified γ+1 of each
+            # sequence), then γ − 1 single-token passes.
+            step.add_pass(draft, 1.0, k, 0.0, ctx)
+            step.add_pass(draft, draft_length - 1.0, 1.0, 0.0, ctx)
+        else:
+            step.add_pass(draft, draft_length, 1.0, 0.0, ctx)
         step.c0 += model.sd_overhead_s * model.scale_on
     else:
         step.add_pass(target, 1.0, 1.0, 0.0, ctx)
     nodes = workload.prompt_nodes
+    steps = (g - 1.0) / accepted_length
+    # Prompts share steps: a step carries λ·τ̄ ≈ B/(steps + 1.5) prompts on average (each of the
+    # B requests brings one over its stay), and a prompt's marginal cost lands on top of the
+    # decode tokens *and* of the others scheduled before it in that step (half of them, on
+    # average): P̄/(2·(steps + 1.5)) more tokens per running sequence.
+    shared = OTHER_PROMPTS_SHARE * p / (steps + PREFILL_WAIT_STEPS) if p > 0 else 0.0
     if p > 0:
         if prefill is not None:  # schema-1: stand-alone prefill slope, no mixed-step data
             prompt.c0 += prefill.scalar(p, p) - prefill.intercept_s
         else:
             # The marginal cost of P prompt tokens on a step that already carries k·B tokens,
             # averaged over the prompt-length distribution.
-            prompt.add_marginal(target, k, nodes)
+            prompt.add_marginal(target, k + shared, nodes)
         if sd and model.draft_prefills and not draft.is_zero:
-            prompt.add_marginal(draft, 1.0, nodes)
-    steps = (g - 1.0) / accepted_length
+            prompt.add_marginal(draft, k + shared, nodes)
     # A request shares its steps with the B = λ·T others (Poisson arrivals see the time average)
     # and with itself: its steps run at batch B + 1, which matters at low load.
     return step.shifted(1.0), prompt.shifted(1.0), steps, k

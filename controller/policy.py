@@ -22,10 +22,15 @@ from enum import StrEnum
 from controller.assessment import AcceptanceSource, Assessment
 from controller.hooks.base import HookPhase, HookStatus
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
+from controller.risk import in_startup_hold, persisted_since, record_rate
 from controller.settings import OverrideMode, Settings
 from controller.state import ControllerState, PendingChange
 
 MAX_RESTART_DURATIONS = 20
+# The rate history the forecast reads: one bucket per 5 minutes, eight days (yesterday and
+# the same weekday last week, with room): at most 2305 pairs in the state file.
+HISTORY_BUCKET_S = 300.0
+HISTORY_KEEP_S = 8 * 86_400.0
 
 
 class Action(StrEnum):
@@ -49,6 +54,9 @@ class Reason(StrEnum):
     OBSERVATION = "observation_unusable"
     APPLIED_UNKNOWN = "applied_state_unknown"
     SWITCH_COST = "switch_cost_exceeds_gain"
+    ROUND_TRIP = "round_trip_cost_exceeds_gain"  # enabling must also pay the restart back at the peak
+    EXCURSION = "excursion_shorter_than_restart"  # the signal has not outlasted a restart yet
+    STARTUP = "startup_keeps_launched_state"  # no history yet, and the launched state is not wrong
 
 
 class ControllerPhase(StrEnum):
@@ -167,6 +175,10 @@ def _remember(state: ControllerState, obs: Observation, a: Assessment, now: floa
     changes: dict = {}
     if a.acceptance.source is AcceptanceSource.MEASURED:
         changes.update(last_acceptance_rate=a.acceptance.rate, last_alpha=a.acceptance.alpha, last_acceptance_at=now)
+    if obs.arrival_rate_rps is not None:
+        changes.update(
+            rate_history=record_rate(state.rate_history, now, obs.arrival_rate_rps, HISTORY_BUCKET_S, HISTORY_KEEP_S)
+        )
     if obs.mean_prompt_tokens is not None and obs.mean_gen_tokens is not None and obs.mean_gen_tokens > 0:
         changes.update(last_prompt_tokens=obs.mean_prompt_tokens, last_gen_tokens=obs.mean_gen_tokens)
     if a.congested and state.applied_enabled:
@@ -202,8 +214,12 @@ def decide(
     assessment: Assessment | None,
     override: OverrideMode,
     now: float,
+    started_at: float | None = None,
 ) -> tuple[Decision, ControllerState]:
-    """The tick's decision and the state after it (before the hook is called)."""
+    """The tick's decision and the state after it (before the hook is called).
+
+    ``started_at``: when this controller process started (the startup hold); None: no hold.
+    """
     events: list[str] = []
     gamma = settings.draft_length
 
@@ -255,6 +271,11 @@ def decide(
     s = assessment.decision_speedup
     want_off = on and (floor_hit or s < settings.disable_threshold)
     want_on = (not on) and s > settings.enable_threshold
+    since, since_enabled = persisted_since(
+        state.switch_wanted_since, state.switch_wanted_enabled, (not on) if (want_off or want_on) else None, now
+    )
+    if (since, since_enabled) != (state.switch_wanted_since, state.switch_wanted_enabled):
+        state = dataclasses.replace(state, switch_wanted_since=since, switch_wanted_enabled=since_enabled)
     if not (want_off or want_on):
         detail = (
             f"SD on, speedup {s:.3f} >= disable threshold {settings.disable_threshold}"
@@ -276,20 +297,44 @@ def decide(
     else:
         reason, detail = Reason.SPEEDUP_HIGH, f"speedup {s:.3f} > {settings.enable_threshold}"
 
-    # 4. Necessary conditions on top of the thresholds: dwell, backoff, and the price of the switch.
+    # 4. Necessary conditions on top of the thresholds: startup hold, dwell, backoff, the
+    #    excursion filter, and the price of the switch (with the way back when enabling).
+    # The risk terms belong to the priced rule: price_switches=false is thresholds, dwell and lock only.
+    risk = settings.price_switches and not floor_hit
+    if risk and not assessment.applied_overloaded and in_startup_hold(now, started_at, settings.startup_hold_s):
+        left = settings.startup_hold_s - (now - (started_at or now))
+        return out(
+            Action.NONE,
+            Reason.STARTUP,
+            f"{detail}; launched state kept {left:.0f}s more (it is not overloaded)",
+            on,
+            state,
+        )
     if state.last_change_at is not None and now - state.last_change_at < settings.dwell_s:
         left = settings.dwell_s - (now - state.last_change_at)
         return out(Action.NONE, Reason.DWELL, f"{detail}; dwell holds {left:.0f}s more", on, state)
     if state.retry_not_before is not None and now < state.retry_not_before:
         left = state.retry_not_before - now
         return out(Action.NONE, Reason.BACKOFF, f"{detail}; retry after {left:.0f}s", on, state)
+    lasted = now - (state.switch_wanted_since if state.switch_wanted_since is not None else now)
+    if risk and lasted < assessment.excursion_filter_s:
+        return out(
+            Action.NONE,
+            Reason.EXCURSION,
+            f"{detail}; wanted for {lasted:.0f}s < {assessment.excursion_filter_s:.0f}s (restart + drain)",
+            on,
+            state,
+        )
     if settings.price_switches and not floor_hit:
         gain, cost = assessment.projected_gain_request_s, assessment.switch_cost_request_s
-        if not (math.isinf(gain) and gain > 0) and not gain > settings.switch_margin * cost:
+        back = assessment.undo_cost_request_s if want_on else 0.0
+        if not (math.isinf(gain) and gain > 0) and not gain > settings.switch_margin * (cost + back):
+            why = Reason.SWITCH_COST if gain <= settings.switch_margin * cost else Reason.ROUND_TRIP
+            extra = f" + the restart back at the expected peak {back:.0f} req·s" if back else ""
             return out(
                 Action.NONE,
-                Reason.SWITCH_COST,
-                f"{detail}; gain {gain:.0f} req·s < {settings.switch_margin}× cost {cost:.0f} req·s",
+                why,
+                f"{detail}; gain {gain:.0f} req·s < {settings.switch_margin}× (cost {cost:.0f} req·s{extra})",
                 on,
                 state,
             )

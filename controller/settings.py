@@ -138,6 +138,26 @@ class Settings(BaseSettings):
     trend_lookahead_s: float = Field(
         900.0, ge=0, description="How far ahead a rising load trend is projected when deciding (at least the dwell)."
     )
+    excursion_filter_s: float | None = Field(
+        None,
+        ge=0,
+        description="A switch signal must persist this long before it acts: a load excursion shorter than a restart is over before the switch could help. Unset: the restart downtime estimate plus restart_drain_s.",
+    )
+    restart_drain_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a restart drains in-flight requests before vLLM goes down (added to the downtime for the excursion filter).",
+    )
+    startup_hold_s: float = Field(
+        600.0,
+        ge=0,
+        description="After the controller starts, keep the state vLLM was launched with this long unless it is clearly wrong (predicted overloaded, or congested).",
+    )
+    expected_peak_rps: float | None = Field(
+        None,
+        gt=0,
+        description="Peak arrival rate the next hours may bring (operator's knowledge). Enabling SD must then also pay for the restart back when the load climbs past SD's break-even; the controller's own rate history (the same hours yesterday and a week ago) counts as well.",
+    )
 
     # --- observation sources -----------------------------------------------------------------
     prometheus_url: str | None = Field(
