@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from controller.cli import main
-from controller.commands._common import example_calibration_path
+from controller.shipped import example_calibration_path
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from typing import Any
 import structlog
 
 from controller import calibration as cal_mod
-from controller.commands._common import calibration_path
 from controller.errors import ConfigError, InputError
 from controller.hooks.base import Hook
 from controller.hooks.exec import ExecHook, NoHook
@@ -23,6 +22,7 @@ from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
 from controller.model import LatencyModel, Workload, predict_point, stability_limits
 from controller.settings import HookType, Settings, load_settings
+from controller.shipped import calibration_path
 from controller.sources.prometheus import PrometheusSource, render_queries
 from controller.sources.vllm_metrics import VllmMetricsSource
 from controller.state_store import FileStateStore

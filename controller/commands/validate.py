@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from controller import calibration as cal_mod
-from controller.commands._common import calibration_path, exits_on_input_error, finite_or_none
+from controller.commands._common import exits_on_input_error, finite_or_none
+from controller.shipped import calibration_path
 from controller.validation import ValidationReport, validate
 
 
