@@ -20,12 +20,13 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from controller.admin_api import MAX_SPEC_TOKENS
 from controller.errors import ConfigError
 
 ENV_PREFIX = "SD_CONTROLLER_"
 # Variables with the prefix that are not settings: the compose file's image tag.
 NOT_SETTINGS = frozenset({"SD_CONTROLLER_IMAGE"})
-MAX_DRAFT_LENGTH = 64  # the launcher's MAX_SPEC_TOKENS; draft_length has the same bound
+MAX_DRAFT_LENGTH = MAX_SPEC_TOKENS  # what the launcher accepts; draft_length has the same bound
 
 
 class HookType(StrEnum):

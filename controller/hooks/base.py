@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Protocol
 
+from controller.admin_api import HookPhase
 
-class HookPhase(StrEnum):
-    READY = "ready"  # serving with the applied config
-    RESTARTING = "restarting"  # a change is being applied
-    STARTING = "starting"
-    FAILED = "failed"  # the last change failed (rolled back); applied is the old config
-    UNKNOWN = "unknown"  # status could not be read
+__all__ = ["ChangeRequest", "Hook", "HookError", "HookPhase", "HookStatus"]
 
 
 @dataclass(frozen=True)
