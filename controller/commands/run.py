@@ -158,6 +158,7 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         dry_run=args.dry_run,
         override=override_from_file(s.override_file, s.override),
         notify=WebhookNotifier(s.webhook_url),
+        state=state,
     )
     if cal.example:  # after every check, so a config error stays the only line on stderr
         log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
