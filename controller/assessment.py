@@ -1,6 +1,7 @@
 """Turn an observation into what the decision needs: acceptance, prediction, switch price.
 
-Pure: model, settings, state, observation and time in; an :class:`Assessment` out.
+Pure: model, settings (a :class:`~controller.config.PolicyConfig`), state, observation and
+time in; an :class:`Assessment` out.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
+from controller.config import PolicyConfig
 from controller.model import (
     LatencyModel,
     Workload,
@@ -19,7 +21,6 @@ from controller.model import (
     throughput_at_batch,
 )
 from controller.observation import Observation
-from controller.settings import Settings
 from controller.state import ControllerState
 from controller.switch_cost import (
     downtime_estimate,
@@ -47,7 +48,7 @@ class AcceptanceEstimate:
 
 
 def estimate_acceptance(
-    obs: Observation, state: ControllerState, settings: Settings, draft_length: int, now: float
+    obs: Observation, state: ControllerState, settings: PolicyConfig, draft_length: int, now: float
 ) -> AcceptanceEstimate:
     """Measured if SD counters moved this window; else the last one if young enough; else prior."""
     if obs.acceptance_rate is not None:
@@ -113,7 +114,7 @@ class Assessment:
 
 def assess(
     model: LatencyModel,
-    settings: Settings,
+    settings: PolicyConfig,
     state: ControllerState,
     obs: Observation,
     applied_enabled: bool | None,
@@ -245,7 +246,7 @@ def assess(
     )
 
 
-def sd_congestion_remembered(state: ControllerState, settings: Settings, now: float) -> bool:
+def sd_congestion_remembered(state: ControllerState, settings: PolicyConfig, now: float) -> bool:
     return (
         state.sd_congested_rate_rps is not None
         and state.sd_congested_at is not None

@@ -25,12 +25,13 @@ from prometheus_client import CollectorRegistry
 
 from controller import deadline, policy
 from controller.assessment import Assessment, assess
+from controller.config import OverrideMode
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
 from controller.model import LatencyModel
 from controller.observation import Observation, ObserveResult
 from controller.policy import Decision
-from controller.settings import OverrideMode, Settings
+from controller.settings import Settings
 from controller.sources.base import Source
 from controller.state import ControllerState, clamp_to_clock
 from controller.state_store import MemoryStateStore, StateStore
@@ -119,6 +120,7 @@ class Controller:
         """``state``: the state to start from, when the caller has loaded it already (the
         state file is read once); otherwise ``state_store.load()``."""
         self.settings = settings
+        self.policy_config = settings.policy  # all the pure core sees of the settings
         self.model = model
         self.source = source
         self.hook = hook
@@ -145,7 +147,7 @@ class Controller:
             return self._tick()
 
     def _tick(self) -> TickResult:
-        s = self.settings
+        s = self.policy_config
         now = self.clock()
         state, clamped = clamp_to_clock(self.state, now, s.failure_backoff_max_s)
         if clamped:

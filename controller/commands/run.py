@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from controller import calibration as cal_mod
+from controller.config import HookType
 from controller.errors import ConfigError, InputError
 from controller.hooks.base import Hook
 from controller.hooks.exec import ExecHook, NoHook
@@ -21,7 +22,7 @@ from controller.hooks.http import HttpHook, launcher_hook
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
 from controller.model import LatencyModel, Workload, predict_point, stability_limits
-from controller.settings import HookType, Settings, load_settings
+from controller.settings import Settings, load_settings
 from controller.shipped import calibration_path
 from controller.sources.prometheus import PrometheusSource, render_queries
 from controller.sources.vllm_metrics import VllmMetricsSource

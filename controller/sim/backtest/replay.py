@@ -59,8 +59,8 @@ def replay(settings, model, steps: Sequence[Step]) -> BacktestResult:
     """Drive the unchanged Controller through ``steps`` on their clock; see the module doc."""
     from prometheus_client import CollectorRegistry
 
+    from controller.config import OverrideMode
     from controller.loop import Controller
-    from controller.settings import OverrideMode
     from controller.state_store import MemoryStateStore
 
     first = next((s.recorded_enabled for s in steps if s.recorded_enabled is not None), False)
@@ -85,5 +85,5 @@ def replay(settings, model, steps: Sequence[Step]) -> BacktestResult:
             if step.recorded_enabled is not None:
                 recorded = step.recorded_enabled  # carried over steps that lack it (restarts, gaps)
             res = ctl.tick()
-            result.records.append(score_step(result, settings, step, res, recorded, hook.enabled))
+            result.records.append(score_step(result, ctl.policy_config, step, res, recorded, hook.enabled))
     return result
