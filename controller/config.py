@@ -1,7 +1,9 @@
-"""The controller's settings, one typed group per concern, and what the pure core is given.
+"""Typed settings groups, one per concern, and what the pure core is given.
 
 Each group is a frozen pydantic model with a description per field (the README's settings
-table is generated from them). :class:`controller.settings.Settings` composes all six and
+tables are generated from them). Here: decision, pricing, exporter and files; the sources'
+group lives with the sources (:mod:`controller.sources.setup`), the hook's with the hooks
+(:mod:`controller.hooks.setup`). :class:`controller.settings.Settings` composes all six and
 reads them from the environment (``SD_CONTROLLER_<NAME>``, names unchanged by the grouping)
 or a file; nothing here reads an environment variable, a file or a clock.
 
@@ -21,13 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from controller.admin_api import MAX_SPEC_TOKENS
 
 MAX_DRAFT_LENGTH = MAX_SPEC_TOKENS  # what the launcher accepts; draft_length has the same bound
-
-
-class HookType(StrEnum):
-    HTTP = "http"
-    EXEC = "exec"
-    LAUNCHER = "launcher"
-    NONE = "none"
 
 
 class OverrideMode(StrEnum):
@@ -184,82 +179,6 @@ class PricingSettings(BaseModel):
     )
 
 
-class SourceSettings(BaseModel):
-    """Where observations come from: Prometheus (PromQL) or vLLM's /metrics scraped directly."""
-
-    model_config = GROUP_CONFIG
-
-    prometheus_url: str | None = Field(
-        None, description="Prometheus base URL; when unset, vLLM's /metrics is scraped directly."
-    )
-    prometheus_selector: str = Field(
-        "", description='Label matchers for this vLLM instance, e.g. model_name="llama",instance="10.0.0.5:8000".'
-    )
-    prometheus_timeout_s: float = Field(5.0, gt=0, description="Timeout of one Prometheus query.")
-    rate_window_s: float = Field(60.0, gt=0, description="Window of the arrival-rate estimate.")
-    acceptance_window_s: float = Field(300.0, gt=0, description="Window of the rolling acceptance rate.")
-    queries: dict[str, str] = Field(
-        default_factory=dict,
-        description="PromQL overrides by name (arrival_rate, acceptance_rate, ...); see docs/daemon.md.",
-    )
-    vllm_metrics_url: str = Field(
-        "http://127.0.0.1:8000/metrics", description="vLLM /metrics, scraped directly when no Prometheus URL is set."
-    )
-    vllm_model_name: str | None = Field(
-        None, description="Only count series with this model_name label (direct scraping)."
-    )
-
-    @field_validator("prometheus_url", "vllm_metrics_url")
-    @classmethod
-    def _source_urls(cls, v: str | None) -> str | None:
-        return http_url(v)
-
-
-class HookSettings(BaseModel):
-    """How SD is switched: the admin hook, its URL or command, token and TLS."""
-
-    model_config = GROUP_CONFIG
-
-    hook_type: HookType = Field(
-        HookType.LAUNCHER,
-        description="How to switch SD: http, exec, launcher (sd-controller launch) or none (observe only).",
-    )
-    hook_url: str | None = Field(
-        "http://127.0.0.1:8091", description="http: the POST URL; launcher: the launcher's base URL."
-    )
-    hook_status_url: str | None = Field(
-        None, description="http: URL polled for the applied state (JSON with phase and applied.enabled)."
-    )
-    hook_token_env: str = Field(
-        "SD_CONTROLLER_HOOK_TOKEN", description="Name of the environment variable holding the bearer token."
-    )
-    hook_token_file: Path | None = Field(None, description="File holding the bearer token (wins over the env var).")
-    hook_tls_verify: bool = Field(True, description="Verify TLS certificates of the hook URL.")
-    hook_ca_bundle: Path | None = Field(None, description="CA bundle for the hook's TLS.")
-    hook_timeout_s: float = Field(10.0, gt=0, description="Timeout of one hook HTTP call.")
-    hook_retries: int = Field(3, ge=0, le=10, description="Retries on connection errors and 5xx.")
-    hook_exec_argv: list[str] = Field(
-        default_factory=list,
-        description='exec: the command as a JSON list, e.g. ["/usr/local/bin/toggle-sd"]; gets SD_ENABLED, SD_NUM_SPECULATIVE_TOKENS, SD_REASON.',
-    )
-    hook_exec_timeout_s: float = Field(
-        900.0, gt=0, description="exec: kill the command after this many seconds (the change fails)."
-    )
-
-    @field_validator("hook_url", "hook_status_url")
-    @classmethod
-    def _hook_urls(cls, v: str | None) -> str | None:
-        return http_url(v)
-
-    @model_validator(mode="after")
-    def _hook_consistent(self) -> Self:
-        if self.hook_type in (HookType.HTTP, HookType.LAUNCHER) and not self.hook_url:
-            raise ValueError(f"hook_url is required for hook_type={self.hook_type.value}")
-        if self.hook_type is HookType.EXEC and not self.hook_exec_argv:
-            raise ValueError("hook_exec_argv is required for hook_type=exec")
-        return self
-
-
 class ExporterSettings(BaseModel):
     """What the controller reports: its /metrics and /healthz, webhook notices, logs."""
 
@@ -315,17 +234,6 @@ class FileSettings(BaseModel):
     override_file: Path | None = Field(
         None, description="File whose content (auto|on|off) overrides `override`; read every tick."
     )
-
-
-# The groups by name: ``Settings.<name>`` is that group's values (and the README's headings).
-GROUPS: dict[str, type[BaseModel]] = {
-    "decision": DecisionSettings,
-    "pricing": PricingSettings,
-    "sources": SourceSettings,
-    "hook": HookSettings,
-    "exporter": ExporterSettings,
-    "files": FileSettings,
-}
 
 
 class PolicyConfig(DecisionSettings, PricingSettings):

@@ -22,24 +22,33 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from controller.config import (
-    GROUPS,
     DecisionSettings,
     ExporterSettings,
     FileSettings,
-    HookSettings,
-    HookType,
     OverrideMode,
     PolicyConfig,
     PricingSettings,
-    SourceSettings,
 )
 from controller.errors import ConfigError
+from controller.hooks.setup import HookSettings, HookType
+from controller.sources.setup import SourceSettings
 
 __all__ = ["HookType", "OverrideMode", "Settings", "load_settings"]
 
 ENV_PREFIX = "SD_CONTROLLER_"
 # Variables with the prefix that are not settings: the compose file's image tag.
 NOT_SETTINGS = frozenset({"SD_CONTROLLER_IMAGE"})
+
+
+# The groups by name: ``Settings.<name>`` is that group's values (and the README's headings).
+GROUPS: dict[str, type[BaseModel]] = {
+    "decision": DecisionSettings,
+    "pricing": PricingSettings,
+    "sources": SourceSettings,
+    "hook": HookSettings,
+    "exporter": ExporterSettings,
+    "files": FileSettings,
+}
 
 
 class Settings(
@@ -51,7 +60,7 @@ class Settings(
     ExporterSettings,
     FileSettings,
 ):
-    """All knobs of ``sd-controller run``: the six groups of :mod:`controller.config`, flat.
+    """All knobs of ``sd-controller run``: the six groups, flat (:data:`GROUPS`).
 
     Each field is read from ``SD_CONTROLLER_<NAME>``; ``settings.<group>`` (decision, pricing,
     sources, hook, exporter, files) is one group's values, ``settings.policy`` what the pure
@@ -64,7 +73,7 @@ class Settings(
     )
 
     def group(self, name: str) -> BaseModel:
-        """The values of one group of :data:`controller.config.GROUPS`."""
+        """The values of one group of :data:`GROUPS`."""
         cls = GROUPS[name]
         return cls.model_validate({field: getattr(self, field) for field in cls.model_fields})
 

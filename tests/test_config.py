@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from controller.config import GROUPS, PolicyConfig
-from controller.settings import ENV_PREFIX, Settings
+from controller.config import PolicyConfig
+from controller.settings import ENV_PREFIX, GROUPS, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
