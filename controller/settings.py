@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -39,6 +39,8 @@ ENV_PREFIX = "SD_CONTROLLER_"
 # Variables with the prefix that are not settings: the compose file's image tag.
 NOT_SETTINGS = frozenset({"SD_CONTROLLER_IMAGE"})
 
+
+M = TypeVar("M", bound=BaseModel)
 
 # The groups by name: ``Settings.<name>`` is that group's values (and the README's headings).
 GROUPS: dict[str, type[BaseModel]] = {
@@ -74,37 +76,39 @@ class Settings(
 
     def group(self, name: str) -> BaseModel:
         """The values of one group of :data:`GROUPS`."""
-        cls = GROUPS[name]
+        return self._as(GROUPS[name])
+
+    def _as(self, cls: type[M]) -> M:
         return cls.model_validate({field: getattr(self, field) for field in cls.model_fields})
 
     @property
     def decision(self) -> DecisionSettings:
-        return self.group("decision")  # type: ignore[return-value]
+        return self._as(DecisionSettings)
 
     @property
     def pricing(self) -> PricingSettings:
-        return self.group("pricing")  # type: ignore[return-value]
+        return self._as(PricingSettings)
 
     @property
     def sources(self) -> SourceSettings:
-        return self.group("sources")  # type: ignore[return-value]
+        return self._as(SourceSettings)
 
     @property
     def hook(self) -> HookSettings:
-        return self.group("hook")  # type: ignore[return-value]
+        return self._as(HookSettings)
 
     @property
     def exporter(self) -> ExporterSettings:
-        return self.group("exporter")  # type: ignore[return-value]
+        return self._as(ExporterSettings)
 
     @property
     def files(self) -> FileSettings:
-        return self.group("files")  # type: ignore[return-value]
+        return self._as(FileSettings)
 
     @property
     def policy(self) -> PolicyConfig:
         """The frozen part the decision core (policy.py, assessment.py) is given."""
-        return PolicyConfig.model_validate({field: getattr(self, field) for field in PolicyConfig.model_fields})
+        return self._as(PolicyConfig)
 
     @classmethod
     def settings_customise_sources(
