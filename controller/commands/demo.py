@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from controller.commands._common import exits_on_input_error
-from controller.errors import InputError
+from controller.errors import EXIT_OK, InputError
 from controller.shipped import EXAMPLE_CALIBRATION, calibration_path
 
 
@@ -162,4 +162,4 @@ def run(args: argparse.Namespace) -> int:
         encoding="utf-8",
     )
     print(f"wrote {plot} and {out / 'summary.json'} ({time.perf_counter() - started:.0f} s)")
-    return 0
+    return EXIT_OK

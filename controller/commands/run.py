@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from controller import calibration as cal_mod
-from controller.errors import ConfigError, InputError
+from controller.errors import EXIT_OK, EXIT_USAGE, ConfigError, InputError
 from controller.hooks.setup import build_hook
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         controller = build(args, settings)
     except (ConfigError, InputError) as exc:
         print(f"sd-controller run: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.once:
         if isinstance(controller.source, VllmMetricsSource):
             # A rate needs two scrapes: take the first now, the tick's a rate window later.
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                 f" (best γ {a.best_draft_length}); break-even {a.break_even_rate_rps}; switch cost"
                 f" {a.switch_cost_request_s:.0f} req·s vs gain {a.projected_gain_request_s:.0f} req·s"
             )
-        return 0
+        return EXIT_OK
     from controller.exporter import MetricsServer
 
     try:
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             f"sd-controller run: error: setting exporter_port: cannot listen on {settings.exporter_host}:{settings.exporter_port}: {exc.strerror}",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -185,4 +185,4 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     log.info("stopped", ticks=ticks)
-    return 0
+    return EXIT_OK

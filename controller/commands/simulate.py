@@ -15,7 +15,7 @@ import threading
 import time
 
 from controller.commands._common import exits_on_input_error
-from controller.errors import ConfigError
+from controller.errors import EXIT_OK, ConfigError
 from controller.shipped import EXAMPLE_CALIBRATION, calibration_path
 from controller.tokens import ADMIN_TOKEN_ENV, read_admin_token
 
@@ -93,4 +93,4 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()
         signal.signal(signal.SIGTERM, previous)
-    return 0
+    return EXIT_OK
