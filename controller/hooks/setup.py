@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -72,7 +72,7 @@ class HookSettings(BaseModel):
         return self
 
 
-def build_hook(s: Any, applied_enabled: bool | None) -> Hook:
+def build_hook(s: HookSettings, applied_enabled: bool | None) -> Hook:
     """The hook the settings ask for (``applied_enabled``: what the state file remembers, for a
     hook that cannot ask). ConfigError when the token file cannot be read."""
     if s.hook_type is HookType.NONE:
