@@ -73,3 +73,20 @@ def test_the_library_never_imports_the_commands():
             continue
         bad = [m for m in imports(path) if re.match(r"controller\.(commands|cli)\b", m)]
         assert not bad, f"{rel} imports {bad}"
+
+
+def test_every_import_of_the_package_resolves_lazy_ones_included():
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "controller").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("controller"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if not hasattr(module, alias.name):
+                        try:
+                            importlib.import_module(f"{node.module}.{alias.name}")
+                        except ModuleNotFoundError:
+                            missing.append(f"{path.relative_to(ROOT)}: {node.module}.{alias.name}")
+    assert not missing

@@ -100,7 +100,7 @@ def _drive(
 
 def default_settings(**overrides):
     """Controller settings for simulations: the daemon's defaults, no hook URL, no env."""
-    from controller.config import HookType
+    from controller.hooks.setup import HookType
     from controller.settings import Settings
 
     values = {"hook_type": HookType.NONE, "hook_url": None, "state_file": "/nonexistent/sim-state.json"}
