@@ -18,8 +18,8 @@ import time
 import structlog
 
 from controller import calibration
-from controller.commands._common import calibration_path
 from controller.model import Workload, predict_point
+from controller.shipped import calibration_path
 from controller.sim import runner, scenarios
 from controller.sim.oracle import run_oracle
 from controller.sim.workload import mean_lengths

@@ -1,6 +1,7 @@
 """Turn an observation into what the decision needs: acceptance, prediction, switch price.
 
-Pure: model, settings, state, observation and time in; an :class:`Assessment` out.
+Pure: model, settings (a :class:`~controller.config.PolicyConfig`), state, observation and
+time in; an :class:`Assessment` out.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
+from controller.config import PolicyConfig
 from controller.model import (
     LatencyModel,
     Workload,
@@ -20,7 +22,6 @@ from controller.model import (
 )
 from controller.observation import Observation
 from controller.risk import excursion_filter_s, expected_peak, forecast_peak, forecast_time_to
-from controller.settings import Settings
 from controller.state import ControllerState
 from controller.switch_cost import (
     downtime_estimate,
@@ -48,7 +49,7 @@ class AcceptanceEstimate:
 
 
 def estimate_acceptance(
-    obs: Observation, state: ControllerState, settings: Settings, draft_length: int, now: float
+    obs: Observation, state: ControllerState, settings: PolicyConfig, draft_length: int, now: float
 ) -> AcceptanceEstimate:
     """Measured if SD counters moved this window; else the last one if young enough; else prior."""
     if obs.acceptance_rate is not None:
@@ -121,7 +122,7 @@ class Assessment:
 
 def assess(
     model: LatencyModel,
-    settings: Settings,
+    settings: PolicyConfig,
     state: ControllerState,
     obs: Observation,
     applied_enabled: bool | None,
@@ -277,7 +278,7 @@ def assess(
 
 def _cost_back_off(
     model: LatencyModel,
-    settings: Settings,
+    settings: PolicyConfig,
     rate: float,
     downtime: float,
     alpha: float,
@@ -298,7 +299,7 @@ def _cost_back_off(
     return switch_cost(rate, downtime, capacity, settings.replicas, p.stability_limit_on_rps, latency_on)
 
 
-def sd_congestion_remembered(state: ControllerState, settings: Settings, now: float) -> bool:
+def sd_congestion_remembered(state: ControllerState, settings: PolicyConfig, now: float) -> bool:
     return (
         state.sd_congested_rate_rps is not None
         and state.sd_congested_at is not None

@@ -1,5 +1,8 @@
 """The decision state machine: pure functions of (settings, state, inputs, now).
 
+``settings`` is a :class:`~controller.config.PolicyConfig`: the decision and pricing groups
+only, frozen (``Settings.policy`` builds it), never the environment-reading Settings.
+
 One tick runs, in order:
 
 1. :func:`reconcile` — fold the hook's status into the state: confirm or fail a pending change
@@ -20,10 +23,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from controller.assessment import AcceptanceSource, Assessment
+from controller.config import OverrideMode, PolicyConfig
 from controller.hooks.base import HookPhase, HookStatus
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 from controller.risk import in_startup_hold, persisted_since, record_rate
-from controller.settings import OverrideMode, Settings
 from controller.state import ControllerState, PendingChange
 
 MAX_RESTART_DURATIONS = 20
@@ -82,7 +85,7 @@ class Decision:
         return self.action is not Action.NONE
 
 
-def usable(result: ObserveResult, settings: Settings) -> ObservationFailure | None:
+def usable(result: ObserveResult, settings: PolicyConfig) -> ObservationFailure | None:
     """Gate: only fresh, complete observations may move the controller."""
     if isinstance(result, ObservationFailure):
         return result
@@ -95,11 +98,11 @@ def usable(result: ObserveResult, settings: Settings) -> ObservationFailure | No
     return None
 
 
-def _backoff(settings: Settings, failures: int) -> float:
+def _backoff(settings: PolicyConfig, failures: int) -> float:
     return min(settings.failure_backoff_s * 2 ** max(failures - 1, 0), settings.failure_backoff_max_s)
 
 
-def _fail(state: ControllerState, settings: Settings, now: float, why: str) -> tuple[ControllerState, str]:
+def _fail(state: ControllerState, settings: PolicyConfig, now: float, why: str) -> tuple[ControllerState, str]:
     failures = state.consecutive_failures + 1
     new = dataclasses.replace(
         state, pending=None, consecutive_failures=failures, retry_not_before=now + _backoff(settings, failures)
@@ -108,7 +111,7 @@ def _fail(state: ControllerState, settings: Settings, now: float, why: str) -> t
 
 
 def reconcile(
-    state: ControllerState, status: HookStatus, settings: Settings, now: float
+    state: ControllerState, status: HookStatus, settings: PolicyConfig, now: float
 ) -> tuple[ControllerState, tuple[str, ...]]:
     """Fold what the hook reports into the state; returns the new state and events."""
     events: list[str] = []
@@ -191,7 +194,7 @@ def _remember(state: ControllerState, obs: Observation, a: Assessment, now: floa
 
 
 def _floor(
-    state: ControllerState, a: Assessment, settings: Settings, now: float
+    state: ControllerState, a: Assessment, settings: PolicyConfig, now: float
 ) -> tuple[ControllerState, bool, tuple[str, ...]]:
     """Track rolling acceptance below the floor; True once it has stayed there long enough."""
     if not state.applied_enabled or a.acceptance.source is not AcceptanceSource.MEASURED:
@@ -208,7 +211,7 @@ def _floor(
 
 
 def decide(
-    settings: Settings,
+    settings: PolicyConfig,
     state: ControllerState,
     observation: ObserveResult,
     assessment: Assessment | None,
@@ -353,7 +356,7 @@ def begin_request(state: ControllerState, decision: Decision, now: float) -> Con
 
 
 def record_request(
-    state: ControllerState, settings: Settings, accepted: bool, now: float, uncertain: bool = False
+    state: ControllerState, settings: PolicyConfig, accepted: bool, now: float, uncertain: bool = False
 ) -> tuple[ControllerState, tuple[str, ...]]:
     """After the hook call: keep the lock if accepted, else count a failure and back off.
 

@@ -147,7 +147,7 @@ def test_file_round_trip_and_metadata(tmp_path):
 
 
 def test_shipped_example_loads_and_says_it_is_an_example():
-    from controller.commands._common import example_calibration_path
+    from controller.shipped import example_calibration_path
 
     cal = load(example_calibration_path())
     assert cal.example is True
@@ -217,7 +217,7 @@ def good_json() -> dict:
 
 
 def test_schema_1_file_migrates(tmp_path):
-    from controller.commands._common import example_calibration_path
+    from controller.shipped import example_calibration_path
 
     old = json.loads(Path(example_calibration_path()).read_text())
     v1 = {

@@ -14,16 +14,16 @@ from controller.cli import main
 from controller.errors import InputError
 from controller.observation import FailureReason, Observation, ObservationFailure
 from controller.settings import Settings
-from controller.sim import backtest
-from controller.sim.backtest import (
-    CAVEAT,
+from controller.sim.backtest import history
+from controller.sim.backtest.history import (
     RecordedPrometheus,
     parse_duration,
     parse_time,
     read_rows,
-    replay,
     steps_from_rows,
 )
+from controller.sim.backtest.replay import replay
+from controller.sim.backtest.report import CAVEAT
 from tests.support import LEGACY_CALIBRATION
 from tests.support.prometheus import free_port
 
@@ -343,7 +343,7 @@ def test_recorded_prometheus_builds_the_daemons_observations(monkeypatch):
         }
     )
     src._session = fake  # the only network access of the source
-    monkeypatch.setattr(backtest, "POINTS_PER_QUERY", 7)  # 20 steps: 3 query_range calls per query
+    monkeypatch.setattr(history, "POINTS_PER_QUERY", 7)  # 20 steps: 3 query_range calls per query
     src.fetch()
     assert len(fake.calls) == 3 * len(q)
     steps = src.steps()
