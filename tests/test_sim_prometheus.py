@@ -229,6 +229,7 @@ def test_backtest_reads_simulator_history_from_prometheus(sim, prometheus_server
         "prometheus_selector": 'job="vllm"',
         "restart_downtime_s": 3,
         "dwell_s": 30,
+        "excursion_filter_s": 2,  # compressed time: the high phase lasts seconds, not minutes
     }
     settings = Settings(hook_type="none", **values)
     model = load(LEGACY_CALIBRATION).latency_model()
