@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from controller import __version__
 from controller.assessment import AcceptanceSource, Assessment
+from controller.events import Event, EventKind
 from controller.httpserver import BackgroundHTTPServer
 from controller.observation import FailureReason
 from controller.policy import ControllerPhase, Decision
@@ -163,7 +164,7 @@ class Exporter:
         assessment: Assessment | None,
         failure: FailureReason | None,
         observed_latency_s: float | None,
-        events: tuple[str, ...],
+        events: tuple[Event, ...],
     ) -> None:
         g = self.gauges.set
         g("sd_controller_last_decision_timestamp_seconds", now)
@@ -178,11 +179,11 @@ class Exporter:
         g("sd_controller_pending_age_seconds", now - state.pending.issued_at if state.pending else 0.0)
         g("sd_controller_acceptance_floor_active", 1 if state.floor_tripped_at is not None else 0)
         for ev in events:
-            if ev.startswith(("change_confirmed:", "external_change:")):
-                self.toggles.labels(ev.split(":", 1)[1]).inc()
-            elif ev.startswith("change_failed:"):
+            if ev.toggled is not None:
+                self.toggles.labels(ev.toggled).inc()
+            elif ev.kind is EventKind.CHANGE_FAILED:
                 self.change_failures.inc()
-            elif ev == "acceptance_floor_tripped":
+            elif ev.kind is EventKind.ACCEPTANCE_FLOOR_TRIPPED:
                 self.floor_trips.inc()
         if observed_latency_s is not None:
             g("sd_observed_latency_seconds", observed_latency_s)

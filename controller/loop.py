@@ -26,10 +26,11 @@ from prometheus_client import CollectorRegistry
 from controller import deadline, policy
 from controller.assessment import Assessment, assess
 from controller.config import OverrideMode
+from controller.events import Event, EventKind
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
 from controller.model import LatencyModel
-from controller.observation import Observation, ObserveResult
+from controller.observation import Observation, ObservationFailure, ObserveResult
 from controller.policy import Decision
 from controller.settings import Settings
 from controller.sources.base import Source
@@ -46,9 +47,10 @@ class TickResult:
     assessment: Assessment | None
     decision: Decision
     state: ControllerState
-    events: tuple[str, ...]
+    events: tuple[Event, ...]
     acted: bool  # the hook accepted a change this tick
     hook_status: HookStatus
+    failure: ObservationFailure | None = None  # why the observation could not be used, if it could not
 
 
 def override_from_file(path: Path | None, default: OverrideMode) -> Callable[[], OverrideMode]:
@@ -96,7 +98,7 @@ class WebhookNotifier:
             log.warning("webhook_failed", event=event, error=type(exc).__name__)
 
 
-NOTIFY_EVENTS = ("acceptance_floor_tripped", "change_failed")
+NOTIFY_EVENTS = (EventKind.ACCEPTANCE_FLOOR_TRIPPED, EventKind.CHANGE_FAILED)
 FAILED_TICKS_UNHEALTHY = 3
 
 
@@ -193,10 +195,9 @@ class Controller:
         self.exporter.record(now, state, decision, assessment, fail_reason, observed, events)
         self._log(now, decision, assessment, failure, override, events, acted)
         for ev in events:
-            kind = ev.split(":", 1)[0]
-            if kind in NOTIFY_EVENTS:
-                self.notify(kind, {"detail": ev, "reason": decision.reason.value, "time": now})
-        return TickResult(now, obs, assessment, decision, state, events, acted, status)
+            if ev.kind in NOTIFY_EVENTS:
+                self.notify(ev.kind.value, {"detail": str(ev), "reason": decision.reason.value, "time": now})
+        return TickResult(now, obs, assessment, decision, state, events, acted, status, failure)
 
     def _log(
         self,
@@ -205,7 +206,7 @@ class Controller:
         a: Assessment | None,
         failure: object,
         override: OverrideMode,
-        events: tuple[str, ...],
+        events: tuple[Event, ...],
         acted: bool,
     ) -> None:
         fields: dict = {
@@ -222,7 +223,7 @@ class Controller:
             "acted": acted,
         }
         if events:
-            fields["events"] = list(events)
+            fields["events"] = [str(e) for e in events]
         if failure is not None:
             fields["observation_failure"] = getattr(getattr(failure, "reason", None), "value", str(failure))
             fields["observation_detail"] = getattr(failure, "detail", "")
@@ -242,7 +243,7 @@ class Controller:
                 restart_downtime_s=round(a.restart_downtime_s, 2),
                 gain_horizon_s=round(a.gain_horizon_s, 1),
             )
-        level = log.warning if (d.acts or any(e.startswith("change_failed") for e in events)) else log.info
+        level = log.warning if (d.acts or any(e.kind is EventKind.CHANGE_FAILED for e in events)) else log.info
         level("decision", **fields)
 
     def tick_failed(self, exc: BaseException) -> None:

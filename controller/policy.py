@@ -24,6 +24,7 @@ from enum import StrEnum
 
 from controller.assessment import AcceptanceSource, Assessment
 from controller.config import OverrideMode, PolicyConfig
+from controller.events import Event, EventKind
 from controller.hooks.base import HookPhase, HookStatus
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 from controller.risk import in_startup_hold, persisted_since, record_rate
@@ -78,7 +79,7 @@ class Decision:
     desired_enabled: bool | None
     draft_length: int | None
     phase: ControllerPhase
-    events: tuple[str, ...] = ()
+    events: tuple[Event, ...] = ()
 
     @property
     def acts(self) -> bool:
@@ -102,19 +103,19 @@ def _backoff(settings: PolicyConfig, failures: int) -> float:
     return min(settings.failure_backoff_s * 2 ** max(failures - 1, 0), settings.failure_backoff_max_s)
 
 
-def _fail(state: ControllerState, settings: PolicyConfig, now: float, why: str) -> tuple[ControllerState, str]:
+def _fail(state: ControllerState, settings: PolicyConfig, now: float, why: str) -> tuple[ControllerState, Event]:
     failures = state.consecutive_failures + 1
     new = dataclasses.replace(
         state, pending=None, consecutive_failures=failures, retry_not_before=now + _backoff(settings, failures)
     )
-    return new, f"change_failed:{why}"
+    return new, Event(EventKind.CHANGE_FAILED, why)
 
 
 def reconcile(
     state: ControllerState, status: HookStatus, settings: PolicyConfig, now: float
-) -> tuple[ControllerState, tuple[str, ...]]:
+) -> tuple[ControllerState, tuple[Event, ...]]:
     """Fold what the hook reports into the state; returns the new state and events."""
-    events: list[str] = []
+    events: list[Event] = []
     if status.restart_durations_s:
         state = dataclasses.replace(
             state, restart_durations_s=tuple(status.restart_durations_s)[-MAX_RESTART_DURATIONS:]
@@ -132,7 +133,7 @@ def reconcile(
                 retry_not_before=None,
                 low_acceptance_since=None,
             )
-            events.append(f"change_confirmed:{'on' if p.enabled else 'off'}")
+            events.append(Event(EventKind.CHANGE_CONFIRMED, "on" if p.enabled else "off"))
         elif status.phase is HookPhase.FAILED:
             state, ev = _fail(state, settings, now, "hook_reported_failure")
             events.append(ev)
@@ -157,7 +158,7 @@ def reconcile(
                 last_change_at=now,
                 low_acceptance_since=None,
             )
-            events.append(f"external_change:{'on' if status.applied_enabled else 'off'}")
+            events.append(Event(EventKind.EXTERNAL_CHANGE, "on" if status.applied_enabled else "off"))
         elif status.applied_draft_length and status.applied_draft_length != state.applied_draft_length:
             state = dataclasses.replace(state, applied_draft_length=status.applied_draft_length)
     return state, tuple(events)
@@ -195,7 +196,7 @@ def _remember(state: ControllerState, obs: Observation, a: Assessment, now: floa
 
 def _floor(
     state: ControllerState, a: Assessment, settings: PolicyConfig, now: float
-) -> tuple[ControllerState, bool, tuple[str, ...]]:
+) -> tuple[ControllerState, bool, tuple[Event, ...]]:
     """Track rolling acceptance below the floor; True once it has stayed there long enough."""
     if not state.applied_enabled or a.acceptance.source is not AcceptanceSource.MEASURED:
         return state, False, ()
@@ -206,7 +207,7 @@ def _floor(
     if now - since < settings.acceptance_floor_window_s:
         return state, False, ()
     if state.floor_tripped_at is None:
-        return dataclasses.replace(state, floor_tripped_at=now), True, ("acceptance_floor_tripped",)
+        return dataclasses.replace(state, floor_tripped_at=now), True, (Event(EventKind.ACCEPTANCE_FLOOR_TRIPPED),)
     return state, True, ()
 
 
@@ -223,7 +224,7 @@ def decide(
 
     ``started_at``: when this controller process started (the startup hold); None: no hold.
     """
-    events: list[str] = []
+    events: list[Event] = []
     gamma = settings.draft_length
 
     def out(action: Action, reason: Reason, detail: str, desired: bool | None, st: ControllerState):
@@ -357,15 +358,15 @@ def begin_request(state: ControllerState, decision: Decision, now: float) -> Con
 
 def record_request(
     state: ControllerState, settings: PolicyConfig, accepted: bool, now: float, uncertain: bool = False
-) -> tuple[ControllerState, tuple[str, ...]]:
+) -> tuple[ControllerState, tuple[Event, ...]]:
     """After the hook call: keep the lock if accepted, else count a failure and back off.
 
     An uncertain outcome (the request timed out after it was sent) keeps the lock too: the
     change may be in flight, and the hook's status (or the pending timeout) will tell.
     """
     if accepted:
-        return state, ("change_requested",)
+        return state, (Event(EventKind.CHANGE_REQUESTED),)
     if uncertain:
-        return state, ("change_uncertain",)
+        return state, (Event(EventKind.CHANGE_UNCERTAIN),)
     state, ev = _fail(state, settings, now, "hook_refused")
     return state, (ev,)

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.assessment import AcceptanceEstimate, AcceptanceSource, Assessment
+from controller.events import Event, EventKind
 from controller.exporter import Exporter, MetricsServer
 from controller.model import Workload
 from controller.observation import FailureReason
@@ -28,7 +29,10 @@ def test_record_and_read_back():
     ex = Exporter(reg)
     ex.configure(60, 600)
     state = ControllerState(applied_enabled=True, pending=PendingChange(False, None, 100.0, "r"))
-    ex.record(160.0, state, D, A, FailureReason.STALE, 2.1, ("change_confirmed:on", "change_failed:timeout"))
+    ex.record(
+        160.0, state, D, A, FailureReason.STALE, 2.1,
+        (Event(EventKind.CHANGE_CONFIRMED, "on"), Event(EventKind.CHANGE_FAILED, "timeout")),
+    )  # fmt: skip
     g = reg.get_sample_value
     assert g("sd_predicted_speedup") == 1.8 and g("sd_decision_speedup") == 1.7
     assert g("sd_acceptance_rate") == 0.55

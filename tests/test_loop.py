@@ -118,7 +118,7 @@ def test_disables_under_load_then_reenables_with_dwell_and_lock(tmp_path):
     assert "enable" in actions
     first_enable = actions.index("enable")
     confirmed_at = ctl.state.last_change_at
-    assert res[0].events == () or "change_confirmed:off" in res[0].events + res[1].events
+    assert res[0].events == () or "change_confirmed:off" in map(str, res[0].events + res[1].events)
     # Not before the dwell: 300 s after the confirmed change.
     enable_time = res[first_enable].now
     assert enable_time - hook.requests[0].requested_at >= 300
@@ -136,6 +136,7 @@ def test_observation_failures_hold_and_are_counted():
         clock.t += 60
         r = ctl.tick()
         assert r.decision.action.value == "none" and r.decision.reason.value == "observation_unusable"
+        assert r.failure is not None and r.failure.reason.value == "parse_error"  # carried, not re-parsed
     vllm.set_mode("ok")
     assert reg.get_sample_value("sd_controller_observation_failures_total", {"reason": "parse_error"}) == 3
     assert hook.requests == []
@@ -146,7 +147,7 @@ def test_failed_change_backs_off_then_retries():
     hook.fail_next = True
     ctl.tick()
     res = run_ticks(ctl, clock, vllm, rate=16, n=12)
-    events = [e for r in res for e in r.events]
+    events = [str(e) for r in res for e in r.events]
     assert "change_failed:hook_reported_failure" in events
     assert reg.get_sample_value("sd_controller_change_failures_total") == 1
     phases = [r.decision.phase.value for r in res]

@@ -122,7 +122,7 @@ def test_pending_lock_holds_and_confirmation_releases_it():
     state, ev = reconcile(
         state, HookStatus(HookPhase.READY, applied_enabled=False, restart_durations_s=(75.0,)), S, T0 + 120
     )
-    assert ev == ("change_confirmed:off",)
+    assert tuple(map(str, ev)) == ("change_confirmed:off",)
     assert state.applied_enabled is False and state.pending is None and state.last_change_at == T0 + 120
     assert state.restart_durations_s == (75.0,)
     d, state = decide(S, state, obs(), assessment(3.0), AUTO, T0 + 120 + 299)
@@ -136,7 +136,7 @@ def test_pending_timeout_fails_with_doubling_backoff():
     state, ev = reconcile(state, HookStatus(HookPhase.RESTARTING), S, T0 + S.pending_timeout_s)
     assert ev == () and state.pending is not None  # exactly at the timeout: still pending
     state, ev = reconcile(state, HookStatus(HookPhase.RESTARTING), S, T0 + S.pending_timeout_s + 1)
-    assert ev == ("change_failed:timeout",)
+    assert tuple(map(str, ev)) == ("change_failed:timeout",)
     assert state.pending is None and state.consecutive_failures == 1
     t_fail = T0 + S.pending_timeout_s + 1
     assert state.retry_not_before == t_fail + S.failure_backoff_s
@@ -156,7 +156,7 @@ def test_pending_timeout_fails_with_doubling_backoff():
 def test_hook_reported_failure_keeps_old_state():
     state = on_state(pending=PendingChange(False, None, T0, "x"))
     state, ev = reconcile(state, HookStatus(HookPhase.FAILED, applied_enabled=True, last_error="not ready"), S, T0 + 30)
-    assert ev == ("change_failed:hook_reported_failure",)
+    assert tuple(map(str, ev)) == ("change_failed:hook_reported_failure",)
     assert state.applied_enabled is True and state.pending is None
 
 
@@ -168,7 +168,7 @@ def test_success_resets_failures():
 
 def test_external_change_is_adopted_and_starts_the_dwell():
     state, ev = reconcile(on_state(), HookStatus(HookPhase.READY, applied_enabled=False), S, T0)
-    assert ev == ("external_change:off",)
+    assert tuple(map(str, ev)) == ("external_change:off",)
     assert state.applied_enabled is False and state.last_change_at == T0
     d, _ = decide(S, state, obs(), assessment(3.0), AUTO, T0 + 10)
     assert d.reason is Reason.DWELL
@@ -227,7 +227,7 @@ def test_acceptance_floor_disables_after_the_window_whatever_the_model_says():
         if i < 10:
             assert d.action is Action.NONE, i
     assert (d.action, d.reason) == (Action.DISABLE, Reason.ACCEPTANCE_FLOOR)
-    assert events == ["acceptance_floor_tripped"]  # notified once
+    assert [str(e) for e in events] == ["acceptance_floor_tripped"]  # notified once
 
 
 def test_acceptance_floor_resets_on_recovery_and_ignores_missing_ticks():
@@ -308,7 +308,9 @@ def test_uncertain_request_keeps_the_lock():
     d, state = decide(S, on_state(), obs(), assessment(0.9), AUTO, T0)
     state = begin_request(state, d, T0)
     state, ev = record_request(state, S, False, T0, uncertain=True)
-    assert ev == ("change_uncertain",) and state.pending is not None and state.consecutive_failures == 0
+    assert (
+        tuple(map(str, ev)) == ("change_uncertain",) and state.pending is not None and state.consecutive_failures == 0
+    )
 
 
 def test_seen_congestion_is_remembered():
@@ -431,3 +433,16 @@ def test_the_rate_history_is_recorded_and_survives_the_state_file():
         _, state = decide(RISK, state, obs(t=T0 + 300 * i, rate=2.0 + i), risky(1.5), AUTO, T0 + 300 * i)
     assert [r for _, r in state.rate_history] == [2.0, 3.0, 4.0]
     assert ControllerState.from_dict(state.to_dict()) == state
+
+
+def test_events_are_typed_and_keep_their_log_form():
+    from controller.events import Event, EventKind
+
+    state = on_state(pending=PendingChange(False, None, T0 - 10, "speedup_below_disable_threshold"))
+    new, ev = reconcile(state, HookStatus(HookPhase.READY, applied_enabled=False), S, T0)
+    assert ev == (Event(EventKind.CHANGE_CONFIRMED, "off"),)
+    assert ev[0].toggled == "off" and str(ev[0]) == "change_confirmed:off"
+    _, ev = record_request(new, S, accepted=False, now=T0)
+    assert (
+        ev[0].kind is EventKind.CHANGE_FAILED and ev[0].toggled is None and str(ev[0]) == "change_failed:hook_refused"
+    )

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         d, a = result.decision, result.assessment
         print(f"decision: {d.action.value} ({d.reason.value}) — {d.detail}")
         print(
-            f"state: {d.phase.value}; applied SD: {result.state.applied_enabled}; events: {', '.join(result.events) or '-'}"
+            f"state: {d.phase.value}; applied SD: {result.state.applied_enabled}; events: {', '.join(map(str, result.events)) or '-'}"
         )
         if a is not None:
             print(
