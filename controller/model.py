@@ -28,7 +28,6 @@ Pure Python and numpy, no I/O. docs/model.md derives every term; in short:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -47,7 +46,6 @@ DEFAULT_GEN_CV = 1.0
 # Half-width of a prediction interval in units of the calibration's relative residual (≈ 90 %).
 INTERVAL_Z = 1.645
 PREFILL_WAIT_STEPS = 1.5  # half a step in flight + the prompt's own (mixed) step
-OTHER_PROMPTS_SHARE = 0.0
 
 
 @dataclass(frozen=True)
@@ -389,21 +387,16 @@ def _mode_pieces(
         step.add_pass(target, 1.0, 1.0, 0.0, ctx)
     nodes = workload.prompt_nodes
     steps = (g - 1.0) / accepted_length
-    # Prompts share steps: a step carries λ·τ̄ ≈ B/(steps + 1.5) prompts on average (each of the
-    # B requests brings one over its stay), and a prompt's marginal cost lands on top of the
-    # decode tokens *and* of the others scheduled before it in that step (half of them, on
-    # average): P̄/(2·(steps + 1.5)) more tokens per running sequence.
-    shared = OTHER_PROMPTS_SHARE * p / (steps + PREFILL_WAIT_STEPS) if p > 0 else 0.0
     if p > 0:
         if prefill is not None:  # schema-1: stand-alone prefill slope, no mixed-step data
             prompt.c0 += prefill.scalar(p, p) - prefill.intercept_s
         else:
             # The marginal cost of P prompt tokens on a step that already carries k·B tokens,
             # averaged over the prompt-length distribution.
-            prompt.add_marginal(target, k + shared, nodes)
+            prompt.add_marginal(target, k, nodes)
             prompt.c0 += target.pair_s * workload.prompt_pairs
         if sd and model.draft_prefills and not draft.is_zero:
-            prompt.add_marginal(draft, k + shared, nodes)
+            prompt.add_marginal(draft, k, nodes)
             prompt.c0 += draft.pair_s * workload.prompt_pairs
     # A request shares its steps with the B = λ·T others (Poisson arrivals see the time average)
     # and with itself: its steps run at batch B + 1, which matters at low load.
@@ -415,14 +408,34 @@ def _segments(
 ) -> tuple[tuple[float, float, float, float, float], ...]:
     """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap] as (start, end, c0, c1, c2)."""
     m = steps + PREFILL_WAIT_STEPS
-    cuts = sorted({at for at, _ in (*step.hinges, *prompt.hinges) if 0.0 < at < cap})
-    bounds = [0.0, *cuts, cap]
+    # One sweep over the hinges in order (each turns on where its segment starts), not a
+    # re-sum of every hinge per segment: a fresh curve is built once per tick and workload.
+    hinges = sorted([(at, w, True) for at, w in step.hinges] + [(at, w, False) for at, w in prompt.hinges])
+    s0, s1, d0, d1 = step.c0, step.c1, prompt.c0, prompt.c1
     out = []
-    for lo, hi in itertools.pairwise(bounds):
-        s0, s1 = step.at_segment(lo)
-        d0, d1 = prompt.at_segment(lo)
-        out.append((lo, hi, m * s0 + d0, m * s1 + d0 + d1, d1))
-    return tuple(out)
+    lo, i, n = 0.0, 0, len(hinges)
+    while i < n and hinges[i][0] <= 0.0:  # active from B = 0
+        at, w, is_step = hinges[i]
+        if is_step:
+            s0, s1 = s0 - w * at, s1 + w
+        else:
+            d0, d1 = d0 - w * at, d1 + w
+        i += 1
+    while True:
+        cut = hinges[i][0] if i < n else math.inf
+        hi = min(cut, cap)
+        if hi > lo or not out:
+            out.append((lo, hi, m * s0 + d0, m * s1 + d0 + d1, d1))
+        if cut >= cap:
+            return tuple(out)
+        while i < n and hinges[i][0] == cut:
+            at, w, is_step = hinges[i]
+            if is_step:
+                s0, s1 = s0 - w * at, s1 + w
+            else:
+                d0, d1 = d0 - w * at, d1 + w
+            i += 1
+        lo = cut
 
 
 def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
