@@ -275,8 +275,14 @@ def decide(
     s = assessment.decision_speedup
     want_off = on and (floor_hit or s < settings.disable_threshold)
     want_on = (not on) and s > settings.enable_threshold
+    # The signal the excursion filter times: the switch is wanted *and* the load that is here
+    # (or coming by the trend) wants it too — not only the recent peak the decision weighs.
+    t = assessment.trend_speedup
+    signal = (want_off and (math.isnan(t) or t < settings.disable_threshold or assessment.applied_overloaded)) or (
+        want_on and (math.isnan(t) or t > settings.enable_threshold)
+    )
     since, since_enabled = persisted_since(
-        state.switch_wanted_since, state.switch_wanted_enabled, (not on) if (want_off or want_on) else None, now
+        state.switch_wanted_since, state.switch_wanted_enabled, (not on) if signal else None, now
     )
     if (since, since_enabled) != (state.switch_wanted_since, state.switch_wanted_enabled):
         state = dataclasses.replace(state, switch_wanted_since=since, switch_wanted_enabled=since_enabled)

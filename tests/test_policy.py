@@ -219,7 +219,7 @@ def test_nan_cannot_enter_an_observation():
 
 def test_acceptance_floor_disables_after_the_window_whatever_the_model_says():
     state = on_state()
-    low = assessment(speedup=2.0, acc=0.3)
+    low = assessment(speedup=2.0, acc=0.15)
     events = []
     for i in range(11):  # a tick a minute: t = 0 .. 600
         d, state = decide(S, state, obs(), low, AUTO, T0 + 60 * i)
@@ -232,12 +232,12 @@ def test_acceptance_floor_disables_after_the_window_whatever_the_model_says():
 
 def test_acceptance_floor_resets_on_recovery_and_ignores_missing_ticks():
     state = on_state()
-    _, state = decide(S, state, obs(), assessment(2.0, acc=0.3), AUTO, T0)
+    _, state = decide(S, state, obs(), assessment(2.0, acc=0.15), AUTO, T0)
     _, state = decide(S, state, ObservationFailure(FailureReason.UNREACHABLE), None, AUTO, T0 + 300)
     assert state.low_acceptance_since == T0  # a missing tick neither trips nor resets
     _, state = decide(S, state, obs(), assessment(2.0, acc=0.5), AUTO, T0 + 360)
     assert state.low_acceptance_since is None
-    d, _ = decide(S, state, obs(), assessment(2.0, acc=0.3), AUTO, T0 + 660)
+    d, _ = decide(S, state, obs(), assessment(2.0, acc=0.15), AUTO, T0 + 660)
     assert d.action is Action.NONE
 
 
@@ -295,7 +295,7 @@ def test_switch_cost_gate(gain, cost, action):
 
 def test_acceptance_floor_is_not_priced():
     state = on_state(low_acceptance_since=T0 - 600)
-    d, _ = decide(PRICED, state, obs(), assessment(2.0, acc=0.2, gain=-5.0, cost=1e9), AUTO, T0)
+    d, _ = decide(PRICED, state, obs(), assessment(2.0, acc=0.15, gain=-5.0, cost=1e9), AUTO, T0)
     assert d.reason is Reason.ACCEPTANCE_FLOOR and d.action is Action.DISABLE
 
 
@@ -446,3 +446,14 @@ def test_events_are_typed_and_keep_their_log_form():
     assert (
         ev[0].kind is EventKind.CHANGE_FAILED and ev[0].toggled is None and str(ev[0]) == "change_failed:hook_refused"
     )
+
+
+def test_a_spike_that_is_over_does_not_keep_the_signal_alive():
+    # The recent peak still argues for leaving SD (decision speedup 0.8), but the load that is
+    # here says SD is fine (trend speedup 1.5): the filter's clock does not run.
+    state = on_state(switch_wanted_since=T0 - 3600, switch_wanted_enabled=False)
+    d, new = decide(RISK, state, obs(), risky(0.8, trend_speedup=1.5), AUTO, T0)
+    assert (d.action, d.reason) == (Action.NONE, Reason.EXCURSION)
+    assert new.switch_wanted_since is None
+    d, _ = decide(RISK, state, obs(), risky(0.8, trend_speedup=0.9), AUTO, T0)
+    assert d.action is Action.DISABLE  # here and now too: the signal has lasted an hour
