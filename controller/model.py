@@ -410,32 +410,22 @@ def _segments(
     m = steps + PREFILL_WAIT_STEPS
     # One sweep over the hinges in order (each turns on where its segment starts), not a
     # re-sum of every hinge per segment: a fresh curve is built once per tick and workload.
+    # Hinges always lie at B > 0 (_Linear folds the others into its line).
     hinges = sorted([(at, w, True) for at, w in step.hinges] + [(at, w, False) for at, w in prompt.hinges])
     s0, s1, d0, d1 = step.c0, step.c1, prompt.c0, prompt.c1
     out = []
-    lo, i, n = 0.0, 0, len(hinges)
-    while i < n and hinges[i][0] <= 0.0:  # active from B = 0
-        at, w, is_step = hinges[i]
+    lo = 0.0
+    for at, w, is_step in (*hinges, (math.inf, 0.0, True)):
+        if at > lo:  # the segment [lo, at) ends here
+            out.append((lo, min(at, cap), m * s0 + d0, m * s1 + d0 + d1, d1))
+            if at >= cap:
+                return tuple(out)
+            lo = at
         if is_step:
             s0, s1 = s0 - w * at, s1 + w
         else:
             d0, d1 = d0 - w * at, d1 + w
-        i += 1
-    while True:
-        cut = hinges[i][0] if i < n else math.inf
-        hi = min(cut, cap)
-        if hi > lo or not out:
-            out.append((lo, hi, m * s0 + d0, m * s1 + d0 + d1, d1))
-        if cut >= cap:
-            return tuple(out)
-        while i < n and hinges[i][0] == cut:
-            at, w, is_step = hinges[i]
-            if is_step:
-                s0, s1 = s0 - w * at, s1 + w
-            else:
-                d0, d1 = d0 - w * at, d1 + w
-            i += 1
-        lo = cut
+    return tuple(out)  # pragma: no cover - the sentinel at +inf always returns
 
 
 def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
