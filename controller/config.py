@@ -159,10 +159,10 @@ class PricingSettings(BaseModel):
         1.5, ge=1, description="Switch only when projected gain exceeds the switch cost times this."
     )
     capacity_headroom: float = Field(
-        0.9,
+        0.97,
         gt=0,
         le=1,
-        description="A state run above this fraction of its stability limit counts as overloaded when pricing (the model is a fluid one: real queues blow up before the limit).",
+        description="A state run above this fraction of its stability limit counts as overloaded when pricing. The model's latency already rises toward the limit (the heavy-traffic wait) and its limits sit within a few % of the measured ones, so this only covers that error: lower it for a model you trust less. Too low, and a busy but stable state is left by a restart under load that costs more than hours in it.",
     )
     long_window_s: float = Field(
         900.0, gt=0, description="Long rate window used with the short one to project the load trend."
