@@ -211,6 +211,11 @@ def _floor(
     return state, True, ()
 
 
+def _below_floor(a: Assessment, settings: PolicyConfig) -> bool:
+    """The acceptance the decision uses was measured (now or last time SD ran) under the floor."""
+    return a.acceptance.source is not AcceptanceSource.PRIOR and a.acceptance.rate < settings.acceptance_floor
+
+
 def decide(
     settings: PolicyConfig,
     state: ControllerState,
@@ -275,6 +280,17 @@ def decide(
     s = assessment.decision_speedup
     want_off = on and (floor_hit or s < settings.disable_threshold)
     want_on = (not on) and s > settings.enable_threshold
+    if want_on and _below_floor(assessment, settings):
+        # SD is off and the acceptance it last showed is under the floor: the model may still
+        # like SD, but re-enabling would trip the floor again ten minutes later (a flapping loop).
+        return out(
+            Action.NONE,
+            Reason.ACCEPTANCE_FLOOR,
+            f"speedup {s:.3f} > {settings.enable_threshold}, but the last measured acceptance "
+            f"{assessment.acceptance.rate:.3f} is below the floor {settings.acceptance_floor}",
+            on,
+            state,
+        )
     # The signal the excursion filter times: the switch is wanted *and* the load that is here
     # (or coming by the trend) wants it too — not only the recent peak the decision weighs.
     t = assessment.trend_speedup

@@ -457,3 +457,16 @@ def test_a_spike_that_is_over_does_not_keep_the_signal_alive():
     assert new.switch_wanted_since is None
     d, _ = decide(RISK, state, obs(), risky(0.8, trend_speedup=0.9), AUTO, T0)
     assert d.action is Action.DISABLE  # here and now too: the signal has lasted an hour
+
+
+@pytest.mark.parametrize(
+    ("source", "rate", "reason"),
+    [
+        (AcceptanceSource.LAST, 0.15, Reason.ACCEPTANCE_FLOOR),  # it tripped the floor last time: no loop
+        (AcceptanceSource.LAST, 0.35, Reason.SPEEDUP_HIGH),
+        (AcceptanceSource.PRIOR, 0.15, Reason.SPEEDUP_HIGH),  # never measured: the prior is the operator's
+    ],
+)
+def test_no_re_enable_while_the_last_acceptance_is_under_the_floor(source, rate, reason):
+    d, _ = decide(S, off_state(), obs(), assessment(1.5, acc=rate, source=source), AUTO, T0)
+    assert d.reason is reason and d.acts is (reason is Reason.SPEEDUP_HIGH)
