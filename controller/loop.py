@@ -27,6 +27,7 @@ from controller import deadline, policy
 from controller.assessment import Assessment, assess
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
+from controller.learning import Learned, Learner
 from controller.model import LatencyModel
 from controller.observation import Observation, ObserveResult
 from controller.policy import Decision
@@ -62,6 +63,7 @@ class TickResult:
     events: tuple[str, ...]
     acted: bool  # the hook accepted a change this tick
     hook_status: HookStatus
+    learned: Learned | None = None  # evidence recorded and what it taught the model
 
 
 def override_from_file(path: Path | None, default: OverrideMode) -> Callable[[], OverrideMode]:
@@ -128,6 +130,7 @@ class Controller:
         dry_run: bool = False,
         override: Callable[[], OverrideMode] | None = None,
         notify: Callable[[str, dict], None] | None = None,
+        learner: Learner | None = None,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -146,6 +149,8 @@ class Controller:
         self.failed_ticks = 0  # consecutive ticks that raised
         self.last_tick_error: str | None = None
         self._lock = threading.Lock()  # one tick at a time, even if called from two threads
+        # Evidence and online correction (memory-backed unless the daemon passes file stores).
+        self.learner = learner if learner is not None else Learner(settings, model)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -168,7 +173,10 @@ class Controller:
         failure = policy.usable(obs, s)
         assessment = None
         if failure is None and isinstance(obs, Observation):
-            assessment = assess(self.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now)
+            assessment = assess(
+                self.learner.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now
+            )
+        learned = self.learner.learn(now, state, obs, assessment, status)
         decision, state = policy.decide(s, state, obs, assessment, override, now)
         events = events + decision.events
         acted = False
@@ -200,12 +208,13 @@ class Controller:
         fail_reason = failure.reason if failure is not None and decision.reason is policy.Reason.OBSERVATION else None
         observed = obs.mean_e2e_latency_s if isinstance(obs, Observation) else None
         self.exporter.record(now, state, decision, assessment, fail_reason, observed, events)
+        self.exporter.record_learning(self.learner, learned, assessment)
         self._log(now, decision, assessment, failure, override, events, acted)
         for ev in events:
             kind = ev.split(":", 1)[0]
             if kind in NOTIFY_EVENTS:
                 self.notify(kind, {"detail": ev, "reason": decision.reason.value, "time": now})
-        return TickResult(now, obs, assessment, decision, state, events, acted, status)
+        return TickResult(now, obs, assessment, decision, state, events, acted, status, learned)
 
     def _log(
         self,
