@@ -44,6 +44,7 @@ POSTERIOR_SCHEMA = 1
 # curves are cached per model, and a 0.1 % change of a cost is far below what the data resolve.
 LOG_QUANTUM = 1e-3
 FD_STEP = 0.02  # finite-difference step (log space) of the Jacobian
+ALARM_CLEAR = 0.9  # an alarm clears once its term is back inside this fraction of the clamp (log)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ class Update:
     posterior: Posterior
     residual_log: float  # log(observed / predicted) before the update
     weight: float  # Huber weight given to it (1 = full)
-    alarm_raised: tuple[str, ...]  # terms that newly hit the clamp
+    alarm_raised: tuple[str, ...]  # the alarm's terms on the tick it was raised (else empty)
 
 
 def forget(posterior: Posterior, config: CorrectionConfig, now: float) -> Posterior:
@@ -257,8 +258,13 @@ def update(
     p = p - np.outer(gain, jac @ p)
     p = 0.5 * (p + p.T)
     bound = math.log(config.max_factor)
-    wanted = tuple(TERMS[k] for k in range(4) if abs(m[k]) > bound)
+    wanted = {TERMS[k] for k in range(4) if abs(m[k]) > bound}
     m = np.clip(m, -bound, bound)
+    # Hysteresis: a raised alarm stays until the term is back well inside the clamp, so a term
+    # riding the bound does not flap the alarm (and the log) tick by tick.
+    near = bool(np.any(np.abs(m) >= ALARM_CLEAR * bound))
+    kept = set(posterior.alarm) if near else set()
+    alarm = tuple(t for t in TERMS if t in wanted | kept)
     idx = MODES.index(mode)
     prev = posterior.error_log[idx]
     prev_at = posterior.error_at[idx]
@@ -276,9 +282,9 @@ def update(
         posterior.evidence + 1,
         error_log,  # type: ignore[arg-type]
         error_at,  # type: ignore[arg-type]
-        wanted,
+        alarm,
     )
-    return Update(new, r, weight, tuple(t for t in wanted if t not in posterior.alarm))
+    return Update(new, r, weight, alarm if alarm and not posterior.alarm else ())
 
 
 def _tuple2(a: np.ndarray) -> tuple[tuple[float, ...], ...]:

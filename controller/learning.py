@@ -129,6 +129,7 @@ class Learner:
         self.posterior = self.posteriors.load(self.fingerprint) or Posterior()
         self._model_key: tuple[float, ...] | None = None
         self._model = base_model
+        self._write_failed = False
 
     @classmethod
     def from_settings(cls, settings: Settings, base_model: LatencyModel) -> Learner:
@@ -183,7 +184,7 @@ class Learner:
             gen_tokens_std=a.workload.gen_tokens_std,
             prompt_tokens_std=a.workload.prompt_tokens_std,
         )
-        self.evidence.append(rec)
+        self._persist(self.evidence.append, rec)
         if why is not None:
             return Learned(rec, None, self.posterior)
         assert obs.mean_e2e_latency_s is not None
@@ -203,7 +204,7 @@ class Learner:
         before = self.posterior
         up = update(before, config, predict_log, mode, obs.mean_e2e_latency_s, noise, now)
         self.posterior = up.posterior
-        self.posteriors.save(self.posterior, self.fingerprint)
+        self._persist(self.posteriors.save, self.posterior, self.fingerprint)
         if up.alarm_raised:
             log.error(
                 "recalibration_alarm",
@@ -221,6 +222,16 @@ class Learner:
                 factors=dict(zip(TERMS, _round(self.posterior.factors), strict=True)),
             )
         return Learned(rec, up, self.posterior)
+
+    def _persist(self, write, *args) -> None:
+        """A full disk must not stop the controller: the evidence stays in memory, logged once."""
+        try:
+            write(*args)
+            self._write_failed = False
+        except OSError as exc:
+            if not self._write_failed:
+                log.error("learning_write_failed", error=exc.strerror or str(exc), detail="kept in memory")
+            self._write_failed = True
 
     def calibrated(self, a: Assessment) -> tuple[float, float]:
         """(off, on) latency the calibration alone predicts at the assessment's rate."""

@@ -341,7 +341,9 @@ def safety_net(
     growing = waiting is not None and last is not None and waiting > 0 and waiting > last
     grow_ticks = state.queue_growth_ticks + 1 if growing else 0
     grow_from = (state.queue_growth_from if state.queue_growth_ticks else last) if growing else None
-    grow_since = (state.queue_growth_since if state.queue_growth_ticks else now) if growing else None
+    # The run began at the previous tick, when the queue held ``last``.
+    start = now - settings.evaluation_interval_s
+    grow_since = (state.queue_growth_since if state.queue_growth_ticks else start) if growing else None
     state = dataclasses.replace(
         state,
         sd_harm_ticks=harm_ticks,
@@ -351,7 +353,7 @@ def safety_net(
         queue_growth_since=grow_since,
     )
     if grow_ticks >= n and waiting is not None:
-        span = max(now - (grow_since or now), settings.evaluation_interval_s)
+        span = max(now - (grow_since if grow_since is not None else start), settings.evaluation_interval_s)
         slope = (waiting - (grow_from or 0.0)) / span  # requests per second the queue gains
         # Staying: today's queue waits the whole horizon, and it keeps growing (a triangle).
         stay = waiting * horizon + 0.5 * slope * horizon * horizon

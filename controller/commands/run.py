@@ -19,6 +19,7 @@ from controller.errors import ConfigError, InputError
 from controller.hooks.base import Hook
 from controller.hooks.exec import ExecHook, NoHook
 from controller.hooks.http import HttpHook, launcher_hook
+from controller.learning import Learner
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
 from controller.model import LatencyModel, Workload, predict_point, stability_limits
@@ -158,6 +159,7 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         dry_run=args.dry_run,
         override=override_from_file(s.override_file, s.override),
         notify=WebhookNotifier(s.webhook_url),
+        learner=Learner.from_settings(s, model),
     )
     if cal.example:  # after every check, so a config error stays the only line on stderr
         log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
