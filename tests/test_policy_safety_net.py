@@ -66,7 +66,7 @@ def test_sd_off_never_trips_and_keeps_no_counts():
 
 
 def test_a_good_tick_resets_the_harm_count():
-    seq = harm(2) + [obs(t=T0 + 120, mean_e2e_latency_s=1.9)] + harm(2)
+    seq = [*harm(2), obs(t=T0 + 120, mean_e2e_latency_s=1.9), *harm(2)]
     decisions, state = run(S, on_state(), seq)
     assert all(d == STEADY for d in decisions)
     assert state.sd_harm_ticks == 2
