@@ -143,6 +143,7 @@ class FileEvidenceStore(MemoryEvidenceStore):
             return []
         if torn:
             log.warning("evidence_last_line_torn", path=str(self.path), detail="dropped (a crash mid-append)")
+        self.records.clear()
         self.records.extend(records)
         self._lines = len(records)
         if torn or len(records) > self.max_records:
