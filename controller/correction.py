@@ -56,7 +56,7 @@ class CorrectionConfig:
     half_life_s: float = 6 * 3600.0  # information forgetting
     huber_k: float = 2.0  # residuals beyond k standard deviations get weight k/|z|
     max_factor: float = 2.0  # clamp; wanting more raises the recalibration alarm
-    error_half_life_s: float = 900.0  # smoothing of the exported error ratio
+    error_half_life_s: float = 300.0  # smoothing of the exported error ratio (the alert adds its `for`)
 
     def prior_cov(self) -> np.ndarray:
         w = np.array([self.prior_width, self.prior_width, self.sd_prior_width, self.sd_prior_width])
@@ -265,26 +265,33 @@ def update(
     near = bool(np.any(np.abs(m) >= ALARM_CLEAR * bound))
     kept = set(posterior.alarm) if near else set()
     alarm = tuple(t for t in TERMS if t in wanted | kept)
-    idx = MODES.index(mode)
-    prev = posterior.error_log[idx]
-    prev_at = posterior.error_at[idx]
-    if prev is None or prev_at is None:
-        err = r
-    else:
-        a = 0.5 ** (max(now - prev_at, 0.0) / config.error_half_life_s)
-        err = a * prev + (1.0 - a) * r
-    error_log = tuple(err if i == idx else posterior.error_log[i] for i in range(2))
-    error_at = tuple(now if i == idx else posterior.error_at[i] for i in range(2))
+    tracked = track_error(posterior, config, mode, r, now)
     new = Posterior(
         tuple(float(x) for x in m),
         _tuple2(p),
         now,
         posterior.evidence + 1,
-        error_log,  # type: ignore[arg-type]
-        error_at,  # type: ignore[arg-type]
+        tracked.error_log,
+        tracked.error_at,
         alarm,
     )
     return Update(new, r, weight, alarm if alarm and not posterior.alarm else ())
+
+
+def track_error(
+    posterior: Posterior, config: CorrectionConfig, mode: str, residual_log: float, now: float
+) -> Posterior:
+    """Fold one residual log(observed / predicted) of ``mode`` into its smoothed error."""
+    idx = MODES.index(mode)
+    prev, prev_at = posterior.error_log[idx], posterior.error_at[idx]
+    if prev is None or prev_at is None:
+        err = residual_log
+    else:
+        a = 0.5 ** (max(now - prev_at, 0.0) / config.error_half_life_s)
+        err = a * prev + (1.0 - a) * residual_log
+    error_log = tuple(err if i == idx else posterior.error_log[i] for i in range(2))
+    error_at = tuple(now if i == idx else posterior.error_at[i] for i in range(2))
+    return dataclasses.replace(posterior, error_log=error_log, error_at=error_at)
 
 
 def _tuple2(a: np.ndarray) -> tuple[tuple[float, ...], ...]:

@@ -22,7 +22,7 @@ import structlog
 
 from controller.assessment import AcceptanceSource, Assessment
 from controller.atomic import write_json_atomic
-from controller.correction import TERMS, CorrectionConfig, Posterior, Update, scaled_model, update
+from controller.correction import TERMS, CorrectionConfig, Posterior, Update, scaled_model, track_error, update
 from controller.errors import ConfigError
 from controller.evidence import EvidenceRecord, Excluded, FileEvidenceStore, MemoryEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
@@ -166,6 +166,10 @@ class Learner:
         predicted = a.latency_s(on)
         calibrated = self._latency(self.base, on, obs, a)
         why = self._excluded(now, state, obs, a, status, predicted)
+        if why is None and not self.settings.online_correction:
+            why_recorded: str | None = Excluded.DISABLED
+        else:
+            why_recorded = why
         rec = EvidenceRecord(
             time_s=now,
             mode=mode,
@@ -180,11 +184,18 @@ class Learner:
             observed_latency_s=obs.mean_e2e_latency_s,
             predicted_latency_s=predicted,
             calibrated_latency_s=calibrated,
-            excluded=why,
+            excluded=why_recorded,
             gen_tokens_std=a.workload.gen_tokens_std,
             prompt_tokens_std=a.workload.prompt_tokens_std,
         )
         self._persist(self.evidence.append, rec)
+        if why is None and not self.settings.online_correction:
+            # Not learning, but the drift stays visible: the calibration's own error is tracked.
+            assert obs.mean_e2e_latency_s is not None
+            r = math.log(obs.mean_e2e_latency_s / predicted)
+            self.posterior = track_error(self.posterior, self.config, mode, r, now)
+            self._persist(self.posteriors.save, self.posterior, self.fingerprint)
+            return Learned(rec, None, self.posterior)
         if why is not None:
             return Learned(rec, None, self.posterior)
         assert obs.mean_e2e_latency_s is not None
@@ -249,8 +260,6 @@ class Learner:
         predicted: float,
     ) -> str | None:
         s = self.settings
-        if not s.online_correction:
-            return Excluded.DISABLED
         if state.pending is not None:
             return Excluded.PENDING
         if status.phase is not HookPhase.READY:

@@ -73,7 +73,7 @@ def test_off_mode_recovers_a_load_dependent_error_across_loads():
         assert abs(err) < 0.03, (rate, err)
     assert abs(latency(BASE, False, 9.0) / latency(scaled_model(BASE, truth), False, 9.0) - 1) > 0.2
     assert p.factors[2:] == (1.0, 1.0)  # SD-only terms untouched by SD-off evidence
-    assert p.error_ratio("off") == pytest.approx(1.0, abs=0.03)
+    assert p.error_ratio("off") == pytest.approx(1.0, abs=0.06)  # a 5-tick smoothing of 5 % noise
 
 
 def test_on_mode_evidence_corrects_the_off_mode_through_the_shared_terms_with_wider_uncertainty():

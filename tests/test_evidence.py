@@ -72,7 +72,10 @@ def test_a_torn_last_line_is_dropped_with_one_log_line(tmp_path):
         json.dumps({"kind": "something-else", "schema": 1}) + "\n",
         json.dumps({"kind": EVIDENCE_KIND, "schema": 99}) + "\n",
         json.dumps({"kind": EVIDENCE_KIND, "schema": 1}) + "\n{bad}\n" + json.dumps(rec(1.0).to_dict()) + "\n",
-        json.dumps({"kind": EVIDENCE_KIND, "schema": 1}) + "\n" + json.dumps({**rec(1.0).to_dict(), "mode": "x"}) + "\n",
+        json.dumps({"kind": EVIDENCE_KIND, "schema": 1})
+        + "\n"
+        + json.dumps({**rec(1.0).to_dict(), "mode": "x"})
+        + "\n",
         json.dumps({"kind": EVIDENCE_KIND, "schema": 1}) + "\n" + json.dumps({**rec(1.0).to_dict(), "extra": 1}) + "\n",
         b"\xff\xfe".decode("latin-1"),
     ],
