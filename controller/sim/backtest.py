@@ -617,6 +617,9 @@ def run(args: argparse.Namespace) -> int:
         print("calibration: the shipped EXAMPLE (a roofline estimate, not a measurement)")
     print(CAVEAT)
     print_result(result, all_steps=args.all_steps)
+    from controller import residuals
+
+    print("\n" + residuals.format_report(residuals.summarize(residuals.from_steps(settings, model, steps))))
     if args.plot:
         plot(result, Path(args.plot))
         print(f"wrote {args.plot}")
