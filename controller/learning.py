@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from controller.assessment import AcceptanceSource, Assessment
-from controller.atomic import write_json_atomic
+from controller.atomic import write_bytes_atomic
 from controller.correction import TERMS, CorrectionConfig, Posterior, Update, scaled_model, track_error, update
 from controller.errors import ConfigError
 from controller.evidence import EvidenceRecord, Excluded, FileEvidenceStore, MemoryEvidenceStore
@@ -33,6 +33,7 @@ from controller.state import ControllerState
 
 log = structlog.get_logger("sd_controller.learning")
 
+SAVE_EVERY = 5  # posterior writes: every this many updates
 DRIFT_FORGET_SPEEDUP = 8.0  # how much faster the posterior forgets while the error is beyond threshold
 
 
@@ -97,7 +98,8 @@ class FilePosteriorStore:
         return posterior
 
     def save(self, posterior: Posterior, fingerprint: str) -> None:
-        write_json_atomic(self.path, {"calibration": fingerprint, "posterior": posterior.to_dict()})
+        data = {"calibration": fingerprint, "posterior": posterior.to_dict()}
+        write_bytes_atomic(self.path, (json.dumps(data, allow_nan=False) + "\n").encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,6 @@ class Learner:
             assert obs.mean_e2e_latency_s is not None
             r = math.log(obs.mean_e2e_latency_s / predicted)
             self.posterior = track_error(self.posterior, self.config, mode, r, now)
-            self._persist(self.posteriors.save, self.posterior, self.fingerprint)
             return Learned(rec, None, self.posterior)
         if why is not None:
             return Learned(rec, None, self.posterior)
@@ -215,7 +216,10 @@ class Learner:
         before = self.posterior
         up = update(before, config, predict_log, mode, obs.mean_e2e_latency_s, noise, now)
         self.posterior = up.posterior
-        self._persist(self.posteriors.save, self.posterior, self.fingerprint)
+        # Every few updates (an fsync'd rewrite costs more than the update): a controller restart
+        # loses at most SAVE_EVERY ticks of learning, never the posterior.
+        if up.posterior.evidence % SAVE_EVERY == 1 or up.alarm_raised or bool(before.alarm) != bool(up.posterior.alarm):
+            self._persist(self.posteriors.save, self.posterior, self.fingerprint)
         if up.alarm_raised:
             log.error(
                 "recalibration_alarm",
@@ -262,7 +266,9 @@ class Learner:
         s = self.settings
         if state.pending is not None:
             return Excluded.PENDING
-        if status.phase is not HookPhase.READY:
+        # UNKNOWN is what hook_type=none (and an unreadable status) reports: the server itself
+        # may be fine; a restart shows as pending, or as metrics that vanish.
+        if status.phase in (HookPhase.RESTARTING, HookPhase.STARTING, HookPhase.FAILED):
             return Excluded.NOT_READY
         if state.last_change_at is not None and now - state.last_change_at < s.evidence_settle_s:
             return Excluded.SETTLING

@@ -3,6 +3,7 @@
 import json
 import math
 
+import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
@@ -11,7 +12,7 @@ from controller.commands._common import example_calibration_path
 from controller.correction import scaled_model
 from controller.evidence import Excluded, FileEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
-from controller.learning import FilePosteriorStore, Learner
+from controller.learning import SAVE_EVERY, FilePosteriorStore, Learner
 from controller.loop import Controller
 from controller.model import Workload, curves
 from controller.observation import Observation
@@ -111,10 +112,11 @@ def test_posterior_and_evidence_survive_a_controller_restart(tmp_path):
     run(ctl, now, 120)
     factors = ctl.learner.posterior.factors
     again, _ = controller(SETTINGS, truth, tmp_path)
-    assert again.learner.posterior.factors == factors
+    assert again.learner.posterior.factors == pytest.approx(factors, rel=0.01)
     assert len(again.learner.evidence.load()) == 120
     saved = json.loads((tmp_path / "sd-controller-correction.json").read_text())
-    assert saved["posterior"]["evidence"] == 120
+    assert 120 - SAVE_EVERY < saved["posterior"]["evidence"] <= 120  # at most a few ticks lost
+    assert again.learner.posterior.evidence == saved["posterior"]["evidence"]
 
 
 def test_a_new_calibration_starts_from_its_own_prior(tmp_path):
