@@ -50,7 +50,7 @@ class Excluded:
     DISABLED = "correction_disabled"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a week of records is a few MB, not tens
 class EvidenceRecord:
     time_s: float
     mode: str  # "off" | "on"
