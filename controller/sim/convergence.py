@@ -36,6 +36,7 @@ class Convergence:
     toggles: int
     mean_latency_s: float
     modes: str
+    per_mode: tuple = ()  # controller.residuals.ModeResiduals of each mode seen in the window
 
 
 def measure(result: RunResult, label: str, last_s: float = 6 * 3600.0) -> Convergence:
@@ -61,6 +62,8 @@ def measure(result: RunResult, label: str, last_s: float = 6 * 3600.0) -> Conver
 
     modes = "/".join(sorted({r.mode for r in recs}))
     s = result.summary()
+    from controller.residuals import from_evidence, summarize
+
     return Convergence(
         label,
         len(recs),
@@ -73,6 +76,7 @@ def measure(result: RunResult, label: str, last_s: float = 6 * 3600.0) -> Conver
         int(s["toggles"]),
         float(s["mean_latency_s"]),
         modes,
+        tuple(summarize(from_evidence(recs))),
     )
 
 
