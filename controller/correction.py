@@ -15,8 +15,8 @@ is not running is corrected: through the shared terms, with the uncertainty the 
 covariance gives it (an SD-on residual cannot tell a slower target from a slower draft, so the
 target terms move less and stay wider). The posterior is Gaussian, updated by an extended
 Kalman step (linearized by finite differences of the real solver), with Huber weights against
-outliers and exponential forgetting of *information* toward the prior (the covariance widens
-back to the prior's when evidence stops; the mean stays). Factors are clamped to
+outliers and exponential forgetting of the *evidence* (the prior stays: what recent evidence
+does not pin down returns to the calibration, and the covariance widens back to the prior's). Factors are clamped to
 ``[1/max_factor, max_factor]``; a correction that wants to go further raises the
 recalibration alarm instead of drifting on.
 
@@ -201,16 +201,27 @@ class Update:
 
 
 def forget(posterior: Posterior, config: CorrectionConfig, now: float) -> Posterior:
-    """Decay the evidence's information toward the prior's over the time since the last update."""
+    """Decay the evidence (not the prior) by 2^(−Δt/half-life): exponential forgetting.
+
+    In information form the posterior is prior + weighted evidence, Λ = Λ0 + Λ_e and
+    Λ·m = Λ0·m0 + η_e (m0 = 0: the calibration). Decaying Λ_e and η_e keeps what the evidence
+    pins down (Λ_e ≫ Λ0) and lets what it does not (a direction no recent tick informs, e.g.
+    target vs draft cost while one mode runs) return to the calibration, instead of drifting.
+    """
     if posterior.updated_at is None or posterior.cov is None:
         return posterior
     dt = max(now - posterior.updated_at, 0.0)
     if dt == 0.0:
         return posterior
     w = 0.5 ** (dt / config.half_life_s)
-    info = w * np.linalg.inv(posterior.covariance(config)) + (1.0 - w) * np.linalg.inv(config.prior_cov())
-    cov = np.linalg.inv(info)
-    return dataclasses.replace(posterior, cov=_tuple2(0.5 * (cov + cov.T)), updated_at=now)
+    info0 = np.linalg.inv(config.prior_cov())
+    info = np.linalg.inv(posterior.covariance(config))
+    new_info = info0 + w * (info - info0)
+    mean = np.linalg.solve(new_info, w * (info @ np.array(posterior.mean)))
+    cov = np.linalg.inv(new_info)
+    return dataclasses.replace(
+        posterior, mean=tuple(float(x) for x in mean), cov=_tuple2(0.5 * (cov + cov.T)), updated_at=now
+    )
 
 
 def update(

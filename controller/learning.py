@@ -39,7 +39,7 @@ DRIFT_FORGET_SPEEDUP = 8.0  # how much faster the posterior forgets while the er
 
 def correction_config(s: Settings) -> CorrectionConfig:
     return CorrectionConfig(
-        prior_width=s.correction_prior_width,
+        prior_width=s.correction_prior_width / 2.0,
         sd_prior_width=s.correction_prior_width,
         half_life_s=s.correction_half_life_s,
         max_factor=s.correction_max_factor,

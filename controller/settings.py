@@ -158,7 +158,10 @@ class Settings(BaseSettings):
         description="After a restart, ticks are recorded but do not teach the model for this long (the backlog drains, windows mix modes).",
     )
     correction_prior_width: float = Field(
-        0.3, gt=0, le=3, description="Prior standard deviation of each log correction factor (the calibration's trust)."
+        0.3,
+        gt=0,
+        le=3,
+        description="Prior standard deviation of the SD-only log correction factors; the target's (shared by both modes) get half.",
     )
     correction_half_life_s: float = Field(
         7200.0, gt=0, description="Evidence loses half its weight in this time (exponential forgetting)."
