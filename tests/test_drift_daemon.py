@@ -27,7 +27,7 @@ from controller.correction import scaled_model
 from controller.exporter import MetricsServer
 from controller.hooks.http import launcher_hook
 from controller.loop import Controller
-from controller.model import predict_point
+from controller.model import Workload, predict_point
 from controller.settings import Settings
 from controller.sim.engine import Engine
 from controller.sim.scenarios import Scenario
@@ -100,6 +100,7 @@ def test_driver_upgrade_fires_the_drift_alert_and_the_correction_follows(tmp_pat
             for k in range(1, ticks + 1):  # bounded: one tick per simulated minute
                 with server.lock:
                     if k * 60 == drift_at:  # the driver upgrade: every step ×1.3 from now on
+                        before_drift = ctl.learner.model
                         engine.spec = engine.spec.model_copy(update={"cost_scale_off": DRIFT, "cost_scale_on": DRIFT})
                     engine.advance_to(k * 60.0)
                 ctl.tick()
@@ -128,17 +129,22 @@ def test_driver_upgrade_fires_the_drift_alert_and_the_correction_follows(tmp_pat
     assert late and max(late) < threshold, max(late)
     assert ctl.learner.posterior.factors[0] * ctl.learner.posterior.factors[1] > 1.4  # ≈ 1.3² spread over terms
     assert not ctl.learner.posterior.alarm
-    # Decisions recover: the corrected model's speedup is the true one's (the ×1.3 server).
+    # Decisions recover: the correction learned the drift for the running mode (SD on all along
+    # at these loads): corrected after / corrected before ≈ the true ×1.3 server / calibration;
+    # the mode not running moved the right way through the shared terms; and the thresholds take
+    # the decision the true costs call for.
     truth = scaled_model(EXAMPLE, (DRIFT,) * 4)
-    a = ctl.learner.model
+    corrected = ctl.learner.model
     last = ctl.state
     gamma = last.applied_draft_length or settings.draft_length
     alpha = last.last_alpha or 0.8
-    from controller.model import Workload
-
     w = Workload(last.last_prompt_tokens or 1000, last.last_gen_tokens or 280)
     for rate in (1.0, 3.0, 5.0):
-        s_true = predict_point(truth, rate, alpha, gamma, w).speedup
-        s_corr = predict_point(a, rate, alpha, gamma, w).speedup
-        s_cal = predict_point(EXAMPLE, rate, alpha, gamma, w).speedup
-        assert math.isfinite(s_true) and abs(s_corr / s_true - 1) < 0.05, (rate, s_corr, s_true, s_cal)
+        t, c, b, k = (predict_point(m, rate, alpha, gamma, w) for m in (truth, corrected, before_drift, EXAMPLE))
+        learned_on, drift_on = c.latency_on_s / b.latency_on_s, t.latency_on_s / k.latency_on_s
+        assert abs(learned_on / drift_on - 1) < 0.05, (rate, learned_on, drift_on)
+        learned_off, drift_off = c.latency_off_s / b.latency_off_s, t.latency_off_s / k.latency_off_s
+        assert abs(math.log(learned_off / drift_off)) < math.log(drift_off), (rate, learned_off, drift_off)
+        side = [s.speedup > settings.enable_threshold for s in (t, c)]
+        assert side[0] == side[1], (rate, t.speedup, c.speedup)
+    assert ctl.state.applied_enabled is True  # and the controller kept SD on through it
