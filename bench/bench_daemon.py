@@ -66,7 +66,7 @@ def cpu_per_tick(ticks: int = 2000) -> float:
         ctl.tick()
     per_tick = (time.process_time() - start) / ticks
     learned = ctl.learner.posterior.evidence
-    print(f"online correction: learned from {learned} of {ticks} ticks (evidence file + posterior written every tick)")
+    print(f"online correction: learned from {learned} of {ticks} ticks (evidence appended every tick, posterior every 5th update)")
     real = Path(__file__).resolve().parents[1] / "tests/fixtures/vllm-0.32-cpu/metrics-sd-ngram-k4.txt"
     real_text = real.read_text()
     src = VllmMetricsSource(fetch=lambda: real_text)

@@ -41,8 +41,9 @@ SHARED_TERMS = (0, 1)  # indices of the terms both modes run (the target's pass)
 MODES = ("off", "on")
 POSTERIOR_SCHEMA = 1
 # Factors are rounded to this step in log space before they reach the model: the solver's
-# curves are cached per model, and a 0.1 % change of a cost is far below what the data resolve.
-LOG_QUANTUM = 1e-3
+# curves are cached per model (a new model rebuilds every γ's curves: milliseconds), and a
+# 0.5 % change of a cost is far below what one tick resolves (its mean latency: 5–10 % noise).
+LOG_QUANTUM = 5e-3
 FD_STEP = 0.02  # finite-difference step (log space) of the Jacobian
 ALARM_CLEAR = 0.9  # an alarm clears once its term is back inside this fraction of the clamp (log)
 
@@ -81,7 +82,8 @@ class Posterior:
 
     @property
     def factors(self) -> tuple[float, ...]:
-        return tuple(math.exp(round(m / LOG_QUANTUM) * LOG_QUANTUM) for m in self.mean)
+        # Toward zero, so a factor at the clamp stays within it.
+        return tuple(math.exp(math.trunc(m / LOG_QUANTUM) * LOG_QUANTUM) for m in self.mean)
 
     def width(self, config: CorrectionConfig) -> tuple[float, ...]:
         """Posterior sd of each log-factor."""
