@@ -256,7 +256,70 @@ class FileSettings(BaseModel):
     )
 
 
-class PolicyConfig(DecisionSettings, PricingSettings):
+class LearningSettings(BaseModel):
+    """Closing the loop: the evidence history, the online correction of the model's step costs
+    from the server's own latency, and the model-free safety net (controller/learning.py)."""
+
+    model_config = GROUP_CONFIG
+
+    online_correction: bool = Field(
+        True, description="Correct the calibration's step costs online from the server's observed latency."
+    )
+    evidence_file: Path | None = Field(
+        None,
+        description="Bounded per-tick history of load, observed and predicted latency (JSON lines); default: sd-controller-evidence.jsonl next to state_file.",
+    )
+    evidence_max_records: int = Field(4320, ge=16, le=100000, description="Records the evidence history keeps.")
+    correction_file: Path | None = Field(
+        None,
+        description="Where the correction's posterior survives restarts; default: sd-controller-correction.json next to state_file.",
+    )
+    evidence_settle_s: float = Field(
+        600.0,
+        ge=0,
+        description="After a restart, ticks are recorded but do not teach the model for this long (the backlog drains, windows mix modes).",
+    )
+    correction_prior_width: float = Field(
+        0.3,
+        gt=0,
+        le=3,
+        description="Prior standard deviation of the SD-only log correction factors; the target's (shared by both modes) get half.",
+    )
+    correction_half_life_s: float = Field(
+        7200.0, gt=0, description="Evidence loses half its weight in this time (exponential forgetting)."
+    )
+    correction_max_factor: float = Field(
+        2.0,
+        gt=1,
+        le=10,
+        description="Corrections are clamped to [1/this, this]; wanting more raises the recalibration alarm.",
+    )
+    correction_noise: float = Field(
+        0.03,
+        gt=0,
+        le=1,
+        description="Relative model error assumed on top of the sampling noise of a tick's mean latency.",
+    )
+    model_error_threshold: float = Field(
+        0.15,
+        gt=0,
+        le=1,
+        description="Smoothed |observed/predicted − 1| above this is drift: the correction forgets 8× faster until it is back.",
+    )
+    safety_net: bool = Field(
+        True, description="With SD on, disable it on observed harm or a growing queue, whatever the model says."
+    )
+    sd_harm_margin: float = Field(
+        1.1,
+        gt=1,
+        description="Observed latency above this times the corrected SD-off prediction at the same load counts as harm.",
+    )
+    safety_net_ticks: int = Field(
+        5, ge=1, description="Consecutive ticks of harm (or of a growing waiting queue) before the safety net acts."
+    )
+
+
+class PolicyConfig(DecisionSettings, PricingSettings, LearningSettings):
     """What the pure decision core is given (``Settings.policy``): the decision and pricing
     groups, and the short rate window that, with ``long_window_s``, measures the load trend."""
 

@@ -11,6 +11,7 @@ import math
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Enum, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -18,11 +19,15 @@ from prometheus_client.registry import Collector
 
 from controller import __version__
 from controller.assessment import AcceptanceSource, Assessment
+from controller.correction import TERMS
 from controller.events import Event, EventKind
 from controller.httpserver import BackgroundHTTPServer
 from controller.observation import FailureReason
 from controller.policy import ControllerPhase, Decision
 from controller.state import ControllerState
+
+if TYPE_CHECKING:
+    from controller.learning import Learned, Learner
 
 
 class OptionalGauges(Collector):
@@ -133,6 +138,13 @@ class Exporter:
         g.define("sd_projected_gain_request_seconds", "Projected gain of switching over the horizon")
         g.define("sd_gain_horizon_seconds", "How long the other state is expected to stay right")
         g.define("sd_restart_downtime_seconds", "Restart downtime estimate")
+        # Closing the loop (controller/learning.py): drift, the correction, calibrated predictions.
+        g.define("sd_model_error_ratio", "Smoothed observed / predicted (corrected) latency", ("mode",))
+        g.define("sd_model_correction", "Correction factor on the step costs (1 = calibration)", ("mode", "term"))
+        g.define("sd_model_correction_width", "Posterior sd of each log correction factor", ("term",))
+        g.define("sd_calibrated_latency_seconds", "Predicted mean latency, calibration alone", ("mode",))
+        g.define("sd_model_recalibration_alarm", "The correction wants more than its clamp (1): recalibrate")
+        g.define("sd_model_evidence_ticks", "Ticks of evidence the correction has learned from")
         g.register()
         self.state = Enum(
             "sd_controller_state", "Controller state", states=[p.value for p in ControllerPhase], registry=r
@@ -222,6 +234,27 @@ class Exporter:
         g("sd_projected_gain_request_seconds", a.projected_gain_request_s)
         g("sd_gain_horizon_seconds", a.gain_horizon_s)
         g("sd_restart_downtime_seconds", a.restart_downtime_s)
+
+    def record_learning(self, learner: Learner, learned: Learned | None, assessment: Assessment | None) -> None:
+        """Drift and the correction (see controller/learning.py)."""
+        g, p = self.gauges.set, learner.posterior
+        for mode in ("off", "on"):
+            ratio = p.error_ratio(mode)
+            if ratio is not None:
+                g("sd_model_error_ratio", ratio, mode)
+            gamma = assessment.draft_length if assessment is not None else learner.settings.draft_length
+            for term, value in p.mode_factors(mode, learner.base, gamma).items():
+                g("sd_model_correction", value, mode, term)
+        for term, width in zip(TERMS, p.width(learner.config), strict=True):
+            g("sd_model_correction_width", width, term)
+        g("sd_model_recalibration_alarm", 1 if p.alarm else 0)
+        g("sd_model_evidence_ticks", p.evidence)
+        if assessment is None:
+            self.gauges.clear("sd_calibrated_latency_seconds")
+            return
+        off, on = learner.calibrated(assessment)
+        g("sd_calibrated_latency_seconds", off, "off")
+        g("sd_calibrated_latency_seconds", on, "on")
 
 
 class MetricsServer(BackgroundHTTPServer):

@@ -29,6 +29,7 @@ from controller.config import OverrideMode
 from controller.events import Event, EventKind
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
+from controller.learning import Learned, Learner
 from controller.model import LatencyModel
 from controller.observation import Observation, ObservationFailure, ObserveResult
 from controller.policy import Decision
@@ -51,6 +52,7 @@ class TickResult:
     acted: bool  # the hook accepted a change this tick
     hook_status: HookStatus
     failure: ObservationFailure | None = None  # why the observation could not be used, if it could not
+    learned: Learned | None = None  # evidence recorded and what it taught the model
 
 
 def override_from_file(path: Path | None, default: OverrideMode) -> Callable[[], OverrideMode]:
@@ -118,6 +120,7 @@ class Controller:
         override: Callable[[], OverrideMode] | None = None,
         notify: Callable[[str, dict], None] | None = None,
         state: ControllerState | None = None,
+        learner: Learner | None = None,
     ) -> None:
         """``state``: the state to start from, when the caller has loaded it already (the
         state file is read once); otherwise ``state_store.load()``."""
@@ -139,6 +142,8 @@ class Controller:
         self.failed_ticks = 0  # consecutive ticks that raised
         self.last_tick_error: str | None = None
         self._lock = threading.Lock()  # one tick at a time, even if called from two threads
+        # Evidence and online correction (memory-backed unless the daemon passes file stores).
+        self.learner = learner if learner is not None else Learner(settings, model)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -161,7 +166,10 @@ class Controller:
         failure = policy.usable(obs, s)
         assessment = None
         if failure is None and isinstance(obs, Observation):
-            assessment = assess(self.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now)
+            assessment = assess(
+                self.learner.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now
+            )
+        learned = self.learner.learn(now, state, obs, assessment, status)
         decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
         events = events + decision.events
         acted = False
@@ -193,11 +201,12 @@ class Controller:
         fail_reason = failure.reason if failure is not None and decision.reason is policy.Reason.OBSERVATION else None
         observed = obs.mean_e2e_latency_s if isinstance(obs, Observation) else None
         self.exporter.record(now, state, decision, assessment, fail_reason, observed, events)
+        self.exporter.record_learning(self.learner, learned, assessment)
         self._log(now, decision, assessment, failure, override, events, acted)
         for ev in events:
             if ev.kind in NOTIFY_EVENTS:
                 self.notify(ev.kind.value, {"detail": str(ev), "reason": decision.reason.value, "time": now})
-        return TickResult(now, obs, assessment, decision, state, events, acted, status, failure)
+        return TickResult(now, obs, assessment, decision, state, events, acted, status, failure, learned)
 
     def _log(
         self,

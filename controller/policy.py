@@ -61,6 +61,10 @@ class Reason(StrEnum):
     ROUND_TRIP = "round_trip_cost_exceeds_gain"  # enabling must also pay the restart back at the peak
     EXCURSION = "excursion_shorter_than_restart"  # the signal has not outlasted a restart yet
     STARTUP = "startup_keeps_launched_state"  # no history yet, and the launched state is not wrong
+    # the model-free safety net (safety_net below)
+    OBSERVED_SD_HARM = "observed_sd_harm"
+    QUEUE_GROWTH = "queue_growth"
+    SAFETY_NET_HELD = "safety_net_held_by_switch_cost"
 
 
 class ControllerPhase(StrEnum):
@@ -276,6 +280,9 @@ def decide(
 
     state, floor_hit, floor_events = _floor(state, assessment, settings, now)
     events.extend(floor_events)
+    state, net = safety_net(settings, state, observation, assessment, now)
+    if net is not None and not floor_hit:
+        return _act_on_net(settings, state, net, assessment, now, out)
     on = state.applied_enabled
     s = assessment.decision_speedup
     want_off = on and (floor_hit or s < settings.disable_threshold)
@@ -366,6 +373,104 @@ def decide(
             )
     action = Action.DISABLE if want_off else Action.ENABLE
     return out(action, reason, detail, not on, state)
+
+
+@dataclass(frozen=True)
+class NetTrip:
+    """The safety net wants SD off: why, and what staying on is expected to cost (request·s)."""
+
+    reason: Reason
+    detail: str
+    stay_cost_request_s: float
+
+
+def safety_net(
+    settings: PolicyConfig, state: ControllerState, obs: Observation, a: Assessment, now: float
+) -> tuple[ControllerState, NetTrip | None]:
+    """Model-free checks with SD on; counts consecutive ticks in the state.
+
+    * **observed SD harm**: the observed mean latency exceeds ``sd_harm_margin`` times what the
+      (corrected) model predicts for SD *off* at the same load;
+    * **queue growth**: vLLM's waiting queue is non-empty and grows tick after tick.
+
+    Each trips after ``safety_net_ticks`` ticks in a row. Ticks with SD off, during the settle
+    time after a restart (a backlog drains) or without the data reset the counts.
+    """
+    reset = dataclasses.replace(
+        state, sd_harm_ticks=0, queue_growth_ticks=0, last_waiting=None, queue_growth_from=None, queue_growth_since=None
+    )
+    settling = state.last_change_at is not None and now - state.last_change_at < settings.evidence_settle_s
+    if not settings.safety_net or not state.applied_enabled or settling:
+        return (reset if state != reset else state), None
+    n = settings.safety_net_ticks
+    horizon = max(a.gain_horizon_s, settings.dwell_s)
+    rate = a.arrival_rate_rps
+    observed, off = obs.mean_e2e_latency_s, a.latency_off_s
+    harm = observed is not None and math.isfinite(off) and observed > settings.sd_harm_margin * off
+    harm_ticks = state.sd_harm_ticks + 1 if harm else 0
+    waiting, last = obs.waiting, state.last_waiting
+    growing = waiting is not None and last is not None and waiting > 0 and waiting > last
+    grow_ticks = state.queue_growth_ticks + 1 if growing else 0
+    grow_from = (state.queue_growth_from if state.queue_growth_ticks else last) if growing else None
+    # The run began at the previous tick, when the queue held ``last``.
+    start = now - settings.evaluation_interval_s
+    grow_since = (state.queue_growth_since if state.queue_growth_ticks else start) if growing else None
+    state = dataclasses.replace(
+        state,
+        sd_harm_ticks=harm_ticks,
+        queue_growth_ticks=grow_ticks,
+        last_waiting=waiting,
+        queue_growth_from=grow_from,
+        queue_growth_since=grow_since,
+    )
+    if grow_ticks >= n and waiting is not None:
+        span = max(now - (grow_since if grow_since is not None else start), settings.evaluation_interval_s)
+        slope = (waiting - (grow_from or 0.0)) / span  # requests per second the queue gains
+        # Staying: today's queue waits the whole horizon, and it keeps growing (a triangle).
+        stay = waiting * horizon + 0.5 * slope * horizon * horizon
+        detail = f"waiting queue grew {grow_ticks} ticks in a row to {waiting:.0f} (+{slope * 60:.1f}/min)"
+        return state, NetTrip(Reason.QUEUE_GROWTH, detail, stay)
+    if harm_ticks >= n and observed is not None:
+        stay = rate * horizon * (observed - off)
+        detail = (
+            f"observed {observed:.2f}s > {settings.sd_harm_margin}× predicted SD-off {off:.2f}s for {harm_ticks} ticks"
+        )
+        return state, NetTrip(Reason.OBSERVED_SD_HARM, detail, stay)
+    return state, None
+
+
+def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a: Assessment, now: float, out):
+    """Disable on a safety-net trip, unless dwell, backoff or the priced restart say hold."""
+    on = state.applied_enabled
+    if state.last_change_at is not None and now - state.last_change_at < settings.dwell_s:
+        left = settings.dwell_s - (now - state.last_change_at)
+        return out(Action.NONE, Reason.DWELL, f"{net.detail}; dwell holds {left:.0f}s more", on, state)
+    if state.retry_not_before is not None and now < state.retry_not_before:
+        left = state.retry_not_before - now
+        return out(Action.NONE, Reason.BACKOFF, f"{net.detail}; retry after {left:.0f}s", on, state)
+    ticks = state.queue_growth_ticks if net.reason is Reason.QUEUE_GROWTH else state.sd_harm_ticks
+    lasted = ticks * settings.evaluation_interval_s
+    if settings.price_switches and lasted < a.excursion_filter_s:
+        # The same excursion filter as the model's signal: harm shorter than a restart is over
+        # before the restart could help.
+        detail = f"{net.detail}; for {lasted:.0f}s < {a.excursion_filter_s:.0f}s (restart + drain)"
+        return out(Action.NONE, Reason.EXCURSION, detail, on, state)
+    cost = a.switch_cost_request_s
+    if settings.price_switches and not net.stay_cost_request_s > settings.switch_margin * cost:
+        detail = (
+            f"{net.reason.value}: {net.detail}; staying costs {net.stay_cost_request_s:.0f} req·s "
+            f"< {settings.switch_margin}× restart {cost:.0f} req·s"
+        )
+        return out(Action.NONE, Reason.SAFETY_NET_HELD, detail, on, state)
+    # Remember it like a seen congestion, so the model cannot re-enable SD into it right away.
+    seen = state.sd_congested_rate_rps
+    state = dataclasses.replace(
+        state,
+        sd_congested_rate_rps=a.arrival_rate_rps if seen is None else min(seen, a.arrival_rate_rps),
+        sd_congested_at=now,
+    )
+    detail = f"{net.detail}; staying costs {net.stay_cost_request_s:.0f} req·s, restart {cost:.0f} req·s"
+    return out(Action.DISABLE, net.reason, detail, False, state)
 
 
 def begin_request(state: ControllerState, decision: Decision, now: float) -> ControllerState:

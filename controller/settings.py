@@ -25,6 +25,7 @@ from controller.config import (
     DecisionSettings,
     ExporterSettings,
     FileSettings,
+    LearningSettings,
     OverrideMode,
     PolicyConfig,
     PricingSettings,
@@ -50,6 +51,7 @@ GROUPS: dict[str, type[BaseModel]] = {
     "hook": HookSettings,
     "exporter": ExporterSettings,
     "files": FileSettings,
+    "learning": LearningSettings,
 }
 
 
@@ -61,6 +63,7 @@ class Settings(
     HookSettings,
     ExporterSettings,
     FileSettings,
+    LearningSettings,
 ):
     """All knobs of ``sd-controller run``: the six groups, flat (:data:`GROUPS`).
 

@@ -49,6 +49,12 @@ class ControllerState:
     switch_wanted_since: float | None = None
     switch_wanted_enabled: bool | None = None
     rate_history: tuple[tuple[float, float], ...] = field(default_factory=tuple)
+    # Safety net (policy.safety_net): consecutive ticks of observed SD harm / of a growing queue.
+    sd_harm_ticks: int = 0
+    queue_growth_ticks: int = 0
+    last_waiting: float | None = None
+    queue_growth_from: float | None = None  # waiting when the growth run began
+    queue_growth_since: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -83,7 +89,7 @@ class ControllerState:
                 if value is not None and not isinstance(value, bool):
                     raise ValueError(f"{name} must be true, false or null")
                 values[name] = value
-            elif name in ("applied_draft_length", "consecutive_failures"):
+            elif name in ("applied_draft_length", "consecutive_failures", "sd_harm_ticks", "queue_growth_ticks"):
                 if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                     raise ValueError(f"{name} must be a non-negative integer")
                 values[name] = value
@@ -91,8 +97,9 @@ class ControllerState:
                 if value is not None and not _finite(value):
                     raise ValueError(f"{name} must be a finite number or null")
                 values[name] = None if value is None else float(value)
-        if values.get("consecutive_failures") is None:
-            values.pop("consecutive_failures", None)
+        for name in ("consecutive_failures", "sd_harm_ticks", "queue_growth_ticks"):
+            if values.get(name) is None:
+                values.pop(name, None)
         return cls(**values)
 
 
@@ -103,6 +110,7 @@ _PAST_TIMES = (
     "last_acceptance_at",
     "sd_congested_at",
     "switch_wanted_since",
+    "queue_growth_since",
 )
 
 

@@ -18,6 +18,7 @@ PURE_MAY_IMPORT = {f"controller.{m}" for m in PURE} | {
     "controller.config",
     "controller.hooks.base",
     "controller.admin_api",
+    "controller.events",
 }
 
 

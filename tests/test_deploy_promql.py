@@ -132,6 +132,10 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     a.set("sd_observed_latency_seconds", 1.5)
     a.set("sd_predicted_applied_latency_seconds", 1.0)
     a.set("sd_controller_last_decision_timestamp_seconds", time.time() - 1000)
+    a.set("sd_model_error_ratio", 1.3, mode="on")  # SD runs on a: its mode drifts
+    a.set("sd_model_error_ratio", 0.6, mode="off")
+    b.set("sd_model_error_ratio", 0.6, mode="off")  # SD on at b too: a stale off-mode error is no drift
+    a.set("sd_model_recalibration_alarm", 1)
     a.state("enabled")
     b.set("sd_controller_pending_age_seconds", 900)
     b.set("sd_controller_pending_timeout_seconds", 600)
@@ -194,7 +198,7 @@ def test_rules_evaluate_without_errors_and_every_alert_triggers(stack: Stack) ->
     states = {r["name"]: r["state"] for g in groups for r in g["rules"] if r["type"] == "alerting"}
     assert set(states) == {
         "SDAcceptanceLow", "SDControllerStale", "SDControllerDown", "SDRestartStuck",
-        "SDPredictionDrift", "SDFlapping",
+        "SDPredictionDrift", "SDFlapping", "SDModelDrift", "SDRecalibrationNeeded",
     }  # fmt: skip
     inactive = {name: s for name, s in states.items() if s not in ("pending", "firing")}
     assert not inactive, f"alerts whose condition should hold but does not: {inactive}"
@@ -202,13 +206,15 @@ def test_rules_evaluate_without_errors_and_every_alert_triggers(stack: Stack) ->
 
 def test_alerts_point_at_the_right_replica(stack: Stack) -> None:
     a, b, c = (stack.ctl[k].target for k in "abc")
-    alerts = stack.prom.wait_for("ALERTS", predicate=lambda r: len(r) >= 6)
+    alerts = stack.prom.wait_for("ALERTS", predicate=lambda r: len(r) >= 8)
     where = {}
     for s in alerts:
         where.setdefault(s["metric"]["alertname"], set()).add(s["metric"]["instance"])
     assert where["SDAcceptanceLow"] == {a}
     assert where["SDPredictionDrift"] == {a}
     assert where["SDFlapping"] == {a}
+    assert where["SDModelDrift"] == {a}
+    assert where["SDRecalibrationNeeded"] == {a}
     assert where["SDRestartStuck"] == {b}
     assert where["SDControllerDown"] == {c}
     assert a in where["SDControllerStale"] and b not in where["SDControllerStale"]

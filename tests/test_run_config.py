@@ -53,7 +53,12 @@ def zero_calibration(tmp_path: Path) -> Path:
     for phase in cal["phases"].values():
         if isinstance(phase, dict):  # the pass costs (not the flags and the SD overhead)
             phase.update(
-                intercept_s=0.0, slope_s_per_token=0.0, context_s_per_token=0.0, seq_s=0.0, attention_s_per_pair=0.0, knees=[]
+                intercept_s=0.0,
+                slope_s_per_token=0.0,
+                context_s_per_token=0.0,
+                seq_s=0.0,
+                attention_s_per_pair=0.0,
+                knees=[],
             )
     cal["phases"]["sd_overhead_s"] = 0.0
     return write(tmp_path, "zero.json", json.dumps(cal).encode())

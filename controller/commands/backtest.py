@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from controller import residuals
 from controller.commands._common import exits_on_input_error
 from controller.errors import EXIT_OK, EXIT_RUNTIME, InputError
 from controller.shipped import EXAMPLE_CALIBRATION, calibration_path
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print("calibration: the shipped EXAMPLE (a roofline estimate, not a measurement)")
     print(CAVEAT)
     print_result(result, all_steps=args.all_steps)
+    print("\n" + residuals.format_report(residuals.summarize(residuals.from_steps(settings, model, steps))))
     if args.plot:
         plot(result, Path(args.plot))
         print(f"wrote {args.plot}")

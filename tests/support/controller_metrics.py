@@ -44,6 +44,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "sd_projected_arrival_rate_rps": ("gauge", (), "projected arrival rate"),
     "sd_restart_downtime_seconds": ("gauge", (), "expected restart downtime"),
     "sd_controller_build": ("info", (), "build information"),
+    "sd_model_error_ratio": ("gauge", ("mode",), "smoothed observed / predicted latency per mode"),
+    "sd_model_correction": ("gauge", ("mode", "term"), "online correction factor"),
+    "sd_model_correction_width": ("gauge", ("term",), "posterior sd of each log factor"),
+    "sd_calibrated_latency_seconds": ("gauge", ("mode",), "predicted latency, calibration alone"),
+    "sd_model_recalibration_alarm": ("gauge", (), "correction at its clamp (0/1)"),
+    "sd_model_evidence_ticks": ("gauge", (), "ticks the correction learned from"),
 }
 STATES = ("enabled", "disabled", "pending", "failed", "override")
 
@@ -109,6 +115,14 @@ class FakeControllerExporter:
         for mode, limit, latency in (("on", 9.0, 1.0), ("off", 14.0, 1.4)):
             self.set("sd_stability_limit_rps", limit, mode=mode)
             self.set("sd_predicted_latency_seconds", latency, mode=mode)
+            self.set("sd_calibrated_latency_seconds", latency * 1.1, mode=mode)
+            self.set("sd_model_error_ratio", 1.02, mode=mode)
+            for term in ("fixed", "load"):
+                self.set("sd_model_correction", 1.05, mode=mode, term=term)
+        for term in ("target_fixed", "target_load", "sd_fixed", "sd_load"):
+            self.set("sd_model_correction_width", 0.05, term=term)
+        self.set("sd_model_recalibration_alarm", 0)
+        self.set("sd_model_evidence_ticks", 500)
         self._server: Any = None
         self._thread: Any = None
         self.port = 0

@@ -1,0 +1,164 @@
+"""The online correction (pure): the real solver as the truth it must recover, virtual time."""
+
+import math
+
+import numpy as np
+import pytest
+
+from controller.calibration import load
+from controller.commands._common import example_calibration_path
+from controller.correction import (
+    TERMS,
+    CorrectionConfig,
+    Posterior,
+    forget,
+    paper_fit,
+    scaled_model,
+    update,
+)
+from controller.model import Workload, curves
+
+BASE = load(example_calibration_path()).latency_model()
+W = Workload(1000.0, 280.0)
+ALPHA, GAMMA = 0.7, 4
+CFG = CorrectionConfig(prior_width=0.3, sd_prior_width=0.3, half_life_s=7200.0, max_factor=2.0)
+T0 = 1_800_000_000.0
+
+
+def latency(model, on, rate):
+    off_c, on_c = curves(model, ALPHA, GAMMA, W)
+    return (on_c if on else off_c).latency_s(rate)
+
+
+def predictor(on, rate):
+    def predict_log(factors):
+        t = latency(scaled_model(BASE, factors), on, rate)
+        return math.log(t) if math.isfinite(t) else math.inf
+
+    return predict_log
+
+
+def learn(truth, mode_of, ticks=240, rates=(1.0, 3.0, 6.0, 9.0), noise=0.05, seed=0, p=None, start=T0):
+    """Feed ``ticks`` minutes of evidence generated from ``truth`` factors (with lognormal noise)."""
+    rng = np.random.default_rng(seed)
+    p = p or Posterior()
+    true_model = scaled_model(BASE, truth)
+    for i in range(ticks):
+        rate = rates[i % len(rates)]
+        on = mode_of(i)
+        observed = latency(true_model, on, rate) * math.exp(rng.normal(0, noise))
+        p = update(p, CFG, predictor(on, rate), "on" if on else "off", observed, noise, start + 60 * i).posterior
+    return p
+
+
+def test_scaled_model_splits_fixed_and_load_terms():
+    m = scaled_model(BASE, (1.1, 1.2, 1.3, 1.4))
+    assert m.target.intercept_s == pytest.approx(1.1 * BASE.target.intercept_s)
+    assert m.target.slope_s_per_token == pytest.approx(1.2 * BASE.target.slope_s_per_token)
+    assert m.target.context_s_per_token == pytest.approx(1.2 * BASE.target.context_s_per_token)
+    assert m.target.seq_s == pytest.approx(1.2 * BASE.target.seq_s)
+    assert m.target.knee_slope_deltas == pytest.approx([1.2 * d for d in BASE.target.knee_slope_deltas])
+    assert m.target.knees_tokens == BASE.target.knees_tokens  # where the pass turns compute-bound stays
+    assert m.draft.intercept_s == pytest.approx(1.3 * BASE.draft.intercept_s)
+    assert m.draft.slope_s_per_token == pytest.approx(1.4 * BASE.draft.slope_s_per_token)
+    assert scaled_model(BASE, (1.0, 1.0, 1.0, 1.0)) is BASE
+
+
+def test_off_mode_recovers_a_load_dependent_error_across_loads():
+    truth = (1.0, 1.4, 1.0, 1.0)
+    p = learn(truth, lambda i: False)
+    corrected = scaled_model(BASE, p.factors)
+    for rate in (1.0, 5.0, 9.0):
+        err = latency(corrected, False, rate) / latency(scaled_model(BASE, truth), False, rate) - 1
+        assert abs(err) < 0.03, (rate, err)
+    assert abs(latency(BASE, False, 9.0) / latency(scaled_model(BASE, truth), False, 9.0) - 1) > 0.2
+    assert p.factors[2:] == (1.0, 1.0)  # SD-only terms untouched by SD-off evidence
+    assert p.error_ratio("off") == pytest.approx(1.0, abs=0.06)  # a 5-tick smoothing of 5 % noise
+
+
+def test_on_mode_evidence_corrects_the_off_mode_through_the_shared_terms_with_wider_uncertainty():
+    truth = (1.3, 1.3, 1.0, 1.0)  # the target got slower (both modes run it)
+    p_on = learn(truth, lambda i: True)
+    p_off = learn(truth, lambda i: False)
+    # The SD-on residual is split between the target's and the draft's terms...
+    t_true = latency(scaled_model(BASE, truth), False, 6.0)
+    before = abs(latency(BASE, False, 6.0) / t_true - 1)
+    after = abs(latency(scaled_model(BASE, p_on.factors), False, 6.0) / t_true - 1)
+    assert after < 0.5 * before
+    # ...so the shared terms stay less certain than when the off mode itself is observed.
+    w_on, w_off = p_on.width(CFG), p_off.width(CFG)
+    assert w_on[0] > w_off[0] and w_on[1] > w_off[1]
+
+
+def test_forgetting_widens_back_to_the_prior_but_not_beyond():
+    p = learn((1.0, 1.2, 1.0, 1.0), lambda i: False, ticks=60)
+    narrow = p.width(CFG)[1]
+    later = forget(p, CFG, p.updated_at + 7200.0)
+    much_later = forget(p, CFG, p.updated_at + 30 * 86400.0)
+    assert narrow < later.width(CFG)[1] < much_later.width(CFG)[1] <= CFG.prior_width + 1e-9
+    # What the evidence pinned down stays for a while; with no evidence for a month, it is gone.
+    assert later.factors[1] == pytest.approx(p.factors[1], rel=0.02)
+    assert much_later.factors == pytest.approx((1.0, 1.0, 1.0, 1.0), abs=0.01)
+
+
+def test_what_the_running_mode_cannot_tell_apart_does_not_drift():
+    """SD on only, truth = the calibration, noisy evidence for two simulated days: the split
+    between target and draft costs (weakly identified) stays near the calibration."""
+    p = learn((1.0, 1.0, 1.0, 1.0), lambda i: True, ticks=2880, noise=0.08, seed=5)
+    assert all(abs(math.log(f)) < 0.15 for f in p.factors), p.factors
+
+
+def test_an_outlier_is_down_weighted():
+    p = learn((1.0, 1.0, 1.0, 1.0), lambda i: False, ticks=60)
+    rate = 6.0
+    t = latency(BASE, False, rate)
+    robust = update(p, CFG, predictor(False, rate), "off", 10 * t, 0.05, p.updated_at + 60)
+    naive = update(p, CorrectionConfig(huber_k=1e9), predictor(False, rate), "off", 10 * t, 0.05, p.updated_at + 60)
+    assert robust.weight < 0.2 and naive.weight == 1.0
+    shift = [abs(math.log(f)) for f in robust.posterior.factors[:2]]
+    assert max(shift) < 0.5 * max(abs(math.log(f)) for f in naive.posterior.factors[:2])
+
+
+def test_a_correction_beyond_the_clamp_raises_the_alarm_once_and_stays_bounded():
+    p, raised = Posterior(), []  # ticks on which the alarm was raised
+    true_model = scaled_model(BASE, (3.0, 3.0, 1.0, 1.0))
+    for i in range(200):
+        rate = (0.5, 1.0, 2.0)[i % 3]
+        up = update(p, CFG, predictor(False, rate), "off", latency(true_model, False, rate), 0.05, T0 + 60 * i)
+        p = up.posterior
+        if up.alarm_raised:
+            raised.append(i)
+    assert max(p.factors) <= 2.0 + 1e-9
+    assert p.alarm and set(p.alarm) <= set(TERMS[:2])
+    assert len(raised) == 1  # raised once, not every tick
+
+
+def test_posterior_round_trips_and_rejects_garbage():
+    p = learn((1.0, 1.2, 1.0, 1.0), lambda i: i % 2 == 0, ticks=20)
+    assert Posterior.from_dict(p.to_dict()) == p
+    for bad in (
+        None,
+        {"schema": 2},
+        {**p.to_dict(), "mean": [0, 0]},
+        {**p.to_dict(), "mean": [0, 0, 0, float("nan")]},
+        {**p.to_dict(), "cov": [[1]]},
+        {**p.to_dict(), "terms": ["a", "b", "c", "d"]},
+        {**p.to_dict(), "evidence": -1},
+    ):
+        with pytest.raises(ValueError):
+            Posterior.from_dict(bad)
+
+
+def test_update_refuses_bad_evidence():
+    for value in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            update(Posterior(), CFG, predictor(False, 1.0), "off", value, 0.05, T0)
+    with pytest.raises(ValueError):
+        update(Posterior(), CFG, predictor(False, 1.0), "sideways", 1.0, 0.05, T0)
+
+
+def test_paper_fit_recovers_its_constants():
+    rates = np.array([1.0, 2.0, 4.0, 6.0])
+    c1, c2 = paper_fit(rates, 3.0 / (1 - rates * 0.1))
+    assert (c1, c2) == (pytest.approx(3.0), pytest.approx(0.1))
+    assert paper_fit(np.array([2.0, 2.0]), np.array([1.0, 1.1])) is None

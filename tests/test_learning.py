@@ -1,0 +1,178 @@
+"""The loop learning from observed latency: the real Controller on virtual time, real files."""
+
+import json
+import math
+
+import pytest
+import structlog
+from prometheus_client import CollectorRegistry
+
+from controller.calibration import load
+from controller.commands._common import example_calibration_path
+from controller.correction import scaled_model
+from controller.evidence import Excluded, FileEvidenceStore
+from controller.hooks.base import HookPhase, HookStatus
+from controller.learning import SAVE_EVERY, FilePosteriorStore, Learner
+from controller.loop import Controller
+from controller.model import Workload, curves
+from controller.observation import Observation
+from controller.settings import OverrideMode, Settings
+from controller.state import ControllerState
+
+BASE = load(example_calibration_path()).latency_model()
+T0 = 1_800_000_000.0
+RATES = (1.0, 2.5, 4.0, 5.5)
+
+
+class TruthSource:
+    """vLLM as a model with other costs: observed latency = ``truth``'s at the tick's rate."""
+
+    def __init__(self, truth, enabled=False):
+        self.truth, self.enabled, self.i, self.rate = truth, enabled, 0, 1.0
+
+    def observe(self, now):
+        self.rate = RATES[self.i % len(RATES)]
+        self.i += 1
+        on = self.enabled
+        gamma, alpha = 4, 0.75
+        off_c, on_c = curves(self.truth, alpha, gamma, Workload(1000, 280))
+        lat = (on_c if on else off_c).latency_s(self.rate)
+        acc = (0.75 - 0.75**5) / (1 - 0.75) - 1  # E[N] − 1 at α=0.75, γ=4 ...
+        return Observation(
+            time_s=now, arrival_rate_rps=self.rate, sample_age_s=0.0, mean_prompt_tokens=1000,
+            mean_gen_tokens=280, running=self.rate * lat, waiting=0.0, mean_e2e_latency_s=lat,
+            acceptance_rate=acc / 4 if on else None, mean_draft_tokens=4.0 if on else None,
+            sd_series_present=on,
+        )  # fmt: skip
+
+
+class Hook:
+    def __init__(self, enabled=False):
+        self.enabled, self.phase = enabled, HookPhase.READY
+
+    def request(self, change):
+        self.enabled = change.enabled
+
+    def status(self):
+        return HookStatus(self.phase, self.enabled, 4)
+
+
+def controller(settings, truth, tmp_path, enabled=False, base=BASE):
+    # The override pins the mode: these tests are about learning, not deciding.
+    s = settings.model_copy(
+        update={"state_file": tmp_path / "state.json", "override": OverrideMode.ON if enabled else OverrideMode.OFF}
+    )
+    now = [T0]
+    ctl = Controller(
+        s,
+        base,
+        TruthSource(truth, enabled),
+        Hook(enabled),
+        clock=lambda: now[0],
+        registry=CollectorRegistry(),
+        learner=Learner.from_settings(s, base),
+    )
+    ctl.state = ControllerState(applied_enabled=enabled, applied_draft_length=4, last_change_at=T0 - 86400)
+    return ctl, now
+
+
+SETTINGS = Settings(calibration_file="example", hook_type="none", price_switches=False, safety_net=False)
+
+
+def run(ctl, now, ticks):
+    out = []
+    for _ in range(ticks):
+        now[0] += 60.0
+        out.append(ctl.tick())
+    return out
+
+
+def test_the_corrected_model_follows_the_server_and_the_metrics_show_it(tmp_path):
+    truth = scaled_model(BASE, (1.0, 1.4, 1.0, 1.0))
+    ctl, now = controller(SETTINGS, truth, tmp_path)
+    first = run(ctl, now, 4)
+    assert math.exp(max(r.learned.update.residual_log for r in first)) > 1.08  # the calibration under-predicts
+    results = run(ctl, now, 240)
+    last = [abs(r.learned.update.residual_log) for r in results[-8:]]
+    assert max(last) < 0.03, last
+    reg = ctl.registry
+    assert abs(reg.get_sample_value("sd_model_error_ratio", {"mode": "off"}) - 1) < 0.05
+    assert reg.get_sample_value("sd_model_correction", {"mode": "off", "term": "load"}) > 1.2
+    assert reg.get_sample_value("sd_model_recalibration_alarm") == 0
+    assert reg.get_sample_value("sd_model_evidence_ticks") == 244
+    corrected = reg.get_sample_value("sd_predicted_latency_seconds", {"mode": "off"})
+    calibrated = reg.get_sample_value("sd_calibrated_latency_seconds", {"mode": "off"})
+    observed = reg.get_sample_value("sd_observed_latency_seconds")
+    assert abs(corrected / observed - 1) < 0.03 < abs(calibrated / observed - 1)
+
+
+def test_posterior_and_evidence_survive_a_controller_restart(tmp_path):
+    truth = scaled_model(BASE, (1.0, 1.3, 1.0, 1.0))
+    ctl, now = controller(SETTINGS, truth, tmp_path)
+    run(ctl, now, 120)
+    factors = ctl.learner.posterior.factors
+    again, _ = controller(SETTINGS, truth, tmp_path)
+    assert again.learner.posterior.factors == pytest.approx(factors, rel=0.01)
+    assert len(again.learner.evidence.load()) == 120
+    saved = json.loads((tmp_path / "sd-controller-correction.json").read_text())
+    assert 120 - SAVE_EVERY < saved["posterior"]["evidence"] <= 120  # at most a few ticks lost
+    assert again.learner.posterior.evidence == saved["posterior"]["evidence"]
+
+
+def test_a_new_calibration_starts_from_its_own_prior(tmp_path):
+    truth = scaled_model(BASE, (1.0, 1.3, 1.0, 1.0))
+    ctl, now = controller(SETTINGS, truth, tmp_path)
+    run(ctl, now, 30)
+    other = scaled_model(BASE, (1.1, 1.0, 1.0, 1.0))
+    with structlog.testing.capture_logs() as logs:
+        again, _ = controller(SETTINGS, truth, tmp_path, base=other)
+    assert again.learner.posterior.factors == (1.0, 1.0, 1.0, 1.0)
+    assert "correction_reset" in [e["event"] for e in logs]
+
+
+def test_a_corrupt_posterior_file_is_set_aside_with_one_log_line(tmp_path):
+    path = tmp_path / "sd-controller-correction.json"
+    path.write_text('{"calibration": "x", "posterior": {"schema": 1, "mean": "no"}}')
+    with structlog.testing.capture_logs() as logs:
+        store = FilePosteriorStore(path)
+        assert store.load("x") is None
+    assert [e["event"] for e in logs] == ["correction_file_corrupt"]
+    assert store.set_aside.exists() and not path.exists()
+
+
+def test_ticks_around_a_restart_are_recorded_but_do_not_teach(tmp_path):
+    truth = scaled_model(BASE, (1.0, 1.4, 1.0, 1.0))
+    ctl, now = controller(SETTINGS, truth, tmp_path)
+    run(ctl, now, 3)
+    before = ctl.learner.posterior
+    ctl.hook.phase = HookPhase.RESTARTING
+    r = run(ctl, now, 1)[0]
+    assert r.learned.record.excluded == Excluded.NOT_READY and r.learned.update is None
+    ctl.hook.phase = HookPhase.READY
+    ctl.state = ctl.state.__class__(**{**ctl.state.__dict__, "last_change_at": now[0]})  # just restarted
+    results = run(ctl, now, 9)  # 540 s < evidence_settle_s
+    assert {x.learned.record.excluded for x in results} == {Excluded.SETTLING}
+    assert ctl.learner.posterior == before
+    r = run(ctl, now, 2)[-1]
+    assert r.learned.record.excluded is None and ctl.learner.posterior != before
+    records = FileEvidenceStore(tmp_path / "sd-controller-evidence.jsonl").load()
+    assert len(records) == 3 + 1 + 9 + 2
+
+
+def test_sd_on_evidence_learns_through_all_four_terms(tmp_path):
+    truth = scaled_model(BASE, (1.0, 1.3, 1.0, 1.3))
+    ctl, now = controller(SETTINGS, truth, tmp_path, enabled=True)
+    results = run(ctl, now, 200)
+    assert results[-1].learned.record.mode == "on"
+    assert max(abs(r.learned.update.residual_log) for r in results[-8:]) < 0.03
+    assert ctl.registry.get_sample_value("sd_model_error_ratio", {"mode": "on"}) is not None
+    assert ctl.registry.get_sample_value("sd_model_error_ratio", {"mode": "off"}) is None  # no evidence yet
+
+
+def test_online_correction_off_keeps_the_calibration_and_still_records(tmp_path):
+    truth = scaled_model(BASE, (1.0, 1.4, 1.0, 1.0))
+    s = SETTINGS.model_copy(update={"online_correction": False})
+    ctl, now = controller(s, truth, tmp_path)
+    results = run(ctl, now, 20)
+    assert ctl.learner.model is BASE and ctl.learner.posterior.evidence == 0
+    assert {r.learned.record.excluded for r in results} == {Excluded.DISABLED}
