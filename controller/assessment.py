@@ -21,7 +21,7 @@ from controller.model import (
     throughput_at_batch,
 )
 from controller.observation import Observation
-from controller.risk import excursion_filter_s, expected_peak, forecast_peak, forecast_time_to
+from controller.risk import backlog_drain_s, excursion_filter_s, expected_peak, forecast_peak, forecast_time_to
 from controller.state import ControllerState
 from controller.switch_cost import (
     downtime_estimate,
@@ -278,7 +278,14 @@ def assess(
         expected_peak_rps=peak,
         trend_speedup=trend_p.speedup,
         undo_cost_request_s=undo_cost,
-        excursion_filter_s=excursion_filter_s(downtime, settings.restart_drain_s, settings.excursion_filter_s),
+        excursion_filter_s=excursion_filter_s(
+            downtime,
+            settings.restart_drain_s,
+            settings.excursion_filter_s,
+            # Behind a router the other replicas carry the outage's arrivals: no backlog of ours.
+            backlog_drain_s(eval_rate, downtime, drain_capacity) if settings.replicas <= 1 else 0.0,
+            settings.excursion_filter_max_s,
+        ),
         applied_overloaded=congested or math.isinf(now_cur),
     )
 

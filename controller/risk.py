@@ -28,11 +28,30 @@ FORECAST_LAGS_S = (DAY_S, 7 * DAY_S)
 RateHistory = tuple[tuple[float, float], ...]  # (bucket start, highest rate seen in it), ascending
 
 
-def excursion_filter_s(downtime_s: float, drain_s: float, configured_s: float | None) -> float:
-    """How long a switch signal must persist: the configured value, else restart downtime + drain."""
+def backlog_drain_s(rate_rps: float, downtime_s: float, capacity_rps: float) -> float:
+    """Seconds the new state needs to work off the backlog a restart's outage builds:
+    λ·D / (μ − λ); +inf when it cannot (μ ≤ λ)."""
+    if rate_rps <= 0.0 or downtime_s <= 0.0:
+        return 0.0
+    if capacity_rps <= rate_rps:
+        return math.inf
+    return rate_rps * downtime_s / (capacity_rps - rate_rps)
+
+
+def excursion_filter_s(
+    downtime_s: float, drain_s: float, configured_s: float | None, backlog_s: float = 0.0, max_s: float = math.inf
+) -> float:
+    """How long a switch signal must persist before it may restart vLLM.
+
+    A restart helps only once it is over: the outage (downtime plus vLLM's graceful drain) and
+    then the time the new state takes to work off the backlog the outage built. An excursion
+    shorter than that has passed before the switch pays anything back, and near capacity that
+    recovery takes many minutes. Capped at ``max_s`` (a lasting load is acted on eventually);
+    ``configured_s`` overrides it.
+    """
     if configured_s is not None:
         return max(configured_s, 0.0)
-    return max(downtime_s, 0.0) + max(drain_s, 0.0)
+    return min(max(downtime_s, 0.0) + max(drain_s, 0.0) + max(backlog_s, 0.0), max_s)
 
 
 def persisted_since(

@@ -6,6 +6,7 @@ import pytest
 
 from controller.risk import (
     DAY_S,
+    backlog_drain_s,
     excursion_filter_s,
     expected_peak,
     forecast_peak,
@@ -111,3 +112,18 @@ def test_expected_peak(forecast, configured, expected):
 )
 def test_startup_hold(now, started, expected):
     assert in_startup_hold(now, started, 600.0) is expected
+
+
+@pytest.mark.parametrize(
+    ("rate", "downtime", "capacity", "expected"),
+    [(10.0, 75.0, 15.0, 150.0), (14.8, 75.0, 15.2, 2775.0), (15.0, 75.0, 15.0, math.inf), (0.0, 75.0, 5.0, 0.0)],
+)
+def test_backlog_drain(rate, downtime, capacity, expected):
+    assert backlog_drain_s(rate, downtime, capacity) == pytest.approx(expected)
+
+
+def test_the_filter_waits_for_the_backlog_near_capacity_and_is_capped():
+    # Near capacity the recovery (75 s down + 30 s drain + 2775 s of backlog) outlasts a 30-minute spike.
+    assert excursion_filter_s(75.0, 30.0, None, backlog_drain_s(14.8, 75.0, 15.2), 3600.0) == pytest.approx(2880.0)
+    assert excursion_filter_s(75.0, 30.0, None, math.inf, 3600.0) == 3600.0
+    assert excursion_filter_s(75.0, 30.0, 10.0, math.inf, 3600.0) == 10.0  # the operator's value wins

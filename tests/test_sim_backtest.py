@@ -53,6 +53,9 @@ def write_csv(path: Path, rates, sd=1, acceptance=0.6, step_s=60) -> Path:
 
 
 def settings(**kw) -> Settings:
+    # The replay's mechanics, not the excursion filter's length (tests/test_risk.py has that):
+    # two one-minute steps, as restart + drain alone would give.
+    kw.setdefault("excursion_filter_s", 120.0)
     return Settings(hook_type="none", **kw)
 
 
