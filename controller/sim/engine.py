@@ -99,10 +99,17 @@ class StepCosts(Protocol):
         ...
 
     def chunk_extra_s(
-        self, batch: float, decode_tokens: float, chunk_tokens: float, sd: SdConfig, prompt_tokens: float
+        self,
+        batch: float,
+        decode_tokens: float,
+        chunk_tokens: float,
+        sd: SdConfig,
+        prompt_tokens: float,
+        step_chunk_tokens: float,
     ) -> float:
-        """Extra seconds a step with decode work pays for ``chunk_tokens`` of prompt (prompts of
-        about ``prompt_tokens`` each), the draft's prefill included with SD."""
+        """Extra seconds steps with decode work pay for ``chunk_tokens`` of prompt (the draft's
+        prefill included with SD), when each step carries about ``step_chunk_tokens`` of it in
+        prompts of about ``prompt_tokens`` each."""
         ...
 
     def kv_capacity_tokens(self, sd: SdConfig) -> float | None:
@@ -142,8 +149,15 @@ class CalibratedCosts:
         return t * self.scale(sd), float(x)
 
     def chunk_extra_s(
-        self, batch: float, decode_tokens: float, chunk_tokens: float, sd: SdConfig, prompt_tokens: float = 0.0
+        self,
+        batch: float,
+        decode_tokens: float,
+        chunk_tokens: float,
+        sd: SdConfig,
+        prompt_tokens: float = 0.0,
+        step_chunk_tokens: float = 0.0,
     ) -> float:
+        # Linear in the chunk: how the chunk is split over steps does not matter here.
         c = self._c
         pre = c["prefill"]
         if pre is not None:  # schema-1 calibration: the stand-alone prefill slope
@@ -309,10 +323,17 @@ class Engine:
         return t * self._scale(sd), x
 
     def _chunk_cost(
-        self, batch: float, decode_tokens: float, chunk_tokens: float, sd: SdConfig, prompt_tokens: float = 0.0
+        self,
+        batch: float,
+        decode_tokens: float,
+        chunk_tokens: float,
+        sd: SdConfig,
+        prompt_tokens: float = 0.0,
+        step_chunk_tokens: float = 0.0,
     ) -> float:
         """Extra seconds a step pays for carrying ``chunk_tokens`` of prompt (the draft's too with SD)."""
-        return self.costs.chunk_extra_s(batch, decode_tokens, chunk_tokens, sd, prompt_tokens) * self._scale(sd)
+        extra = self.costs.chunk_extra_s(batch, decode_tokens, chunk_tokens, sd, prompt_tokens, step_chunk_tokens)
+        return extra * self._scale(sd)
 
     def _kv_fit(self, k: int) -> int:
         """How many of the next ``k`` waiting requests fit the KV cache (all of them when unbounded)."""
@@ -515,8 +536,12 @@ class Engine:
         tau0 = c_dec + q * x * x  # a step without prefill
         if pending > 0:
             # a step with a full prefill chunk
+            # Prompts arrive spread over the tick, so a real step carries about one prompt, or
+            # the backlog's share per step when many are pending (after a restart): a cost
+            # source whose per-token prefill cost depends on the chunk size needs to know.
             prompt_mean = float(run[pf > 0, PROMPT].mean())
-            tau1 = c_dec + self._chunk_cost(b_eff, x, budget, sd, prompt_mean) + q * (x + budget) ** 2
+            step_chunk = min(budget, max(prompt_mean, pending * self._last_tau / dt))
+            tau1 = c_dec + self._chunk_cost(b_eff, x, budget, sd, prompt_mean, step_chunk) + q * (x + budget) ** 2
             s1 = pending / budget
             n = s1 + (dt - s1 * tau1) / tau0 if s1 * tau1 <= dt else dt / tau1
         else:
