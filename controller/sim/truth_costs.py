@@ -34,7 +34,7 @@ _LOG_STEPS = 50.0  # grid of context / prompt lengths: exp(k/50), i.e. 2 % apart
 
 
 def _bucket(x: float) -> int:
-    return int(round(math.log(max(x, 0.0) + 16.0) * _LOG_STEPS))
+    return round(math.log(max(x, 0.0) + 16.0) * _LOG_STEPS)
 
 
 def _unbucket(k: int) -> float:
@@ -46,7 +46,7 @@ def _round_chunk(tokens: int) -> int:
     if tokens <= 64:
         return tokens
     step = 1 << max(0, tokens.bit_length() - 6)
-    return max(step, int(round(tokens / step)) * step)
+    return max(step, round(tokens / step) * step)
 
 
 class TruthCosts:
@@ -98,7 +98,7 @@ class TruthCosts:
         ctx = _unbucket(ctx_key)
         per_seq = gamma + 1
         q = [np.full(batch, per_seq, dtype=np.int64)]
-        c = [np.full(batch, int(round(ctx)), dtype=np.int64)]
+        c = [np.full(batch, round(ctx), dtype=np.int64)]
         sampled = [np.full(batch, per_seq, dtype=np.int64)]
         if chunk > 0:
             plen = max(1.0, _unbucket(prompt_key))
@@ -116,7 +116,7 @@ class TruthCosts:
         """(seconds of one decode/verify step, tokens it computes) for ``batch`` sequences holding
         ``ctx_tokens`` of KV between them."""
         gamma = self._gamma(sd)
-        b = max(1, int(round(batch)))
+        b = max(1, round(batch))
         t = self._step(gamma, b, _bucket(ctx_tokens / b), 0, 0)
         return t, float(batch * (gamma + 1))
 
@@ -133,11 +133,11 @@ class TruthCosts:
         each step carrying ``step_chunk_tokens`` of it (default: all in one step). The GEMMs'
         efficiency rises with their size, so 8k prompt tokens in one step cost less than in eight."""
         gamma = self._gamma(sd)
-        b = max(1, int(round(batch)))
+        b = max(1, round(batch))
         chunk = float(chunk_tokens)
         if chunk <= 0:
             return 0.0
-        per_step = int(round(min(chunk, step_chunk_tokens if step_chunk_tokens > 0 else chunk)))
+        per_step = round(min(chunk, step_chunk_tokens if step_chunk_tokens > 0 else chunk))
         per_step = max(per_step, 1)
         # Attention is costed per sequence, so the decode part's context cancels in the
         # difference: a fixed one keeps the memo small.
