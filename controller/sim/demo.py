@@ -1,6 +1,10 @@
 """``sd-controller demo``: a simulated day with the real controller, against always-on and
 always-off.
 
+By default the simulated server is the independent truth (GPU roofline, controller/sim/
+demo_truth.py) and the controller believes a calibration measured from it by bench → calibrate;
+with ``--calibration FILE`` (or ``example``) the server runs on that calibration's own model.
+
 The controller (``controller.loop.Controller``, unchanged) scrapes the simulator's /metrics
 text and toggles SD through an in-simulation hook, on a simulated clock. The two baselines run
 in worker processes meanwhile. Prints a live view, then a comparison table, and writes a
@@ -22,13 +26,19 @@ import numpy as np
 
 from controller.commands._common import EXAMPLE_CALIBRATION, calibration_path, exits_on_input_error
 from controller.errors import InputError
+from controller.sim.demo_truth import TRUTH
 
 WINDOW_S = 600.0  # latency plot resolution
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="demo-day", help="built-in scenario name or YAML file (default demo-day)")
-    parser.add_argument("--calibration", default=EXAMPLE_CALIBRATION, help="calibration JSON, or 'example' (default)")
+    parser.add_argument(
+        "--calibration",
+        default=TRUTH,
+        help=f"'{TRUTH}' (default: server on the simulated H100 truth, controller calibrated from it by bench → "
+        f"calibrate), a calibration JSON or '{EXAMPLE_CALIBRATION}' (server on that calibration's own model)",
+    )
     parser.add_argument(
         "--out", default="sd-demo-out", help="directory for the plot and numbers (default ./sd-demo-out)"
     )
@@ -45,14 +55,18 @@ def quiet_logs() -> None:
 
 def _load(args: argparse.Namespace):
     from controller import calibration
-    from controller.sim import scenarios
+    from controller.sim import demo_truth, scenarios
 
     scenario = scenarios.load(args.scenario)
     if args.seed is not None:
         scenario = scenario.with_changes(seed=args.seed)
-    cal_file = calibration_path(args.calibration)
+    if args.calibration == TRUTH:
+        scenario = demo_truth.truth_scenario(scenario)
+        cal_file, server = demo_truth.truth_calibration_path(), TRUTH
+    else:
+        cal_file, server = calibration_path(args.calibration), "calibration"
     cal = calibration.load(cal_file)
-    return scenario, cal.latency_model(), cal_file, bool(cal.example)
+    return scenario, cal.latency_model(), cal_file, bool(cal.example), server
 
 
 def windowed_latency(result, window_s: float = WINDOW_S) -> tuple[np.ndarray, np.ndarray]:
@@ -72,17 +86,23 @@ def windowed_latency(result, window_s: float = WINDOW_S) -> tuple[np.ndarray, np
     return (np.arange(n) + 0.5) * window_s, mean
 
 
-def _baseline(scenario_dump: dict, cal_file: str, enabled: bool) -> dict:
-    """Worker process: one always-on/off run, reduced to what the table and plot need."""
+def _baseline(scenario_dump: dict, cal_file: str, enabled: bool, server: str = "calibration") -> dict:
+    """Worker process: one always-on/off run, reduced to what the table, plot and restart
+    pricing need."""
     from controller import calibration
-    from controller.sim import runner
+    from controller.sim import demo_truth, runner
     from controller.sim.scenarios import Scenario
 
     scenario = Scenario.model_validate(scenario_dump)
     model = calibration.load(cal_file).latency_model()
-    r = runner.run_static(scenario, model, enabled)
+    r = runner.run_static(scenario, demo_truth.server_costs(server, model), enabled)
     t, lat = windowed_latency(r)
-    return {"summary": r.summary(), "window_t": t.tolist(), "window_latency": lat.tolist()}
+    return {
+        "summary": r.summary(),
+        "window_t": t.tolist(),
+        "window_latency": lat.tolist(),
+        "requests": demo_truth.requests_of(r),
+    }
 
 
 class LiveView:
@@ -162,10 +182,10 @@ def _hms(t: float) -> str:
 
 @exits_on_input_error
 def run(args: argparse.Namespace) -> int:
-    from controller.sim import runner
+    from controller.sim import demo_truth, runner
 
     started = time.perf_counter()
-    scenario, model, cal_file, example = _load(args)
+    scenario, model, cal_file, example, server = _load(args)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -175,17 +195,27 @@ def run(args: argparse.Namespace) -> int:
     if example:
         print("EXAMPLE calibration (not measured): the numbers show the mechanism, not your GPU")
     print(f"scenario {scenario.name}: {scenario.description} ({scenario.duration_s / 3600:g} h simulated)")
+    if server == TRUTH:
+        print(
+            "server: simulated H100, Llama-3.1-8B + Llama-3.2-1B draft (GPU roofline); controller calibrated "
+            f"from it by bench -> calibrate ({cal_file.name})"
+        )
+    else:
+        print(f"server: simulated on {cal_file.name}'s own model (the controller is graded on its own assumptions)")
 
     futures: dict[str, Future] = {}
     pool = None
     if not args.no_baselines:
         pool = ProcessPoolExecutor(max_workers=2)
         dump = scenario.model_dump(mode="json")
-        futures["always-on"] = pool.submit(_baseline, dump, str(cal_file), True)
-        futures["always-off"] = pool.submit(_baseline, dump, str(cal_file), False)
+        futures["always-on"] = pool.submit(_baseline, dump, str(cal_file), True, server)
+        futures["always-off"] = pool.submit(_baseline, dump, str(cal_file), False, server)
+    requests = {}
     try:
         with LiveView(scenario) as view:
-            result = runner.run_controller(scenario, model, on_tick=view.update)
+            result = runner.run_controller(
+                scenario, demo_truth.server_costs(server, model), controller_model=model, on_tick=view.update
+            )
         rows = {"controller": result.summary()}
         t_ctl, lat_ctl = windowed_latency(result)
         windows = {"controller": lat_ctl.tolist()}
@@ -193,11 +223,19 @@ def run(args: argparse.Namespace) -> int:
             got = fut.result()
             rows[name] = got["summary"]
             windows[name] = got["window_latency"]
+            requests[name == "always-on"] = got["requests"]
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
 
     _print_table(rows)
+    cost_s, aborted = (
+        demo_truth.restart_cost(result.engine.restart_log, demo_truth.requests_of(result), requests)
+        if len(requests) == 2
+        else (math.nan, result.engine.lost)
+    )
+    line = demo_truth.verdict(rows, cost_s, aborted)
+    print(line)
     plot = out / "timeline.png"
     _plot(result, t_ctl, windows, plot, model)
     (out / "summary.json").write_text(
@@ -205,7 +243,10 @@ def run(args: argparse.Namespace) -> int:
             {
                 "scenario": scenario.name,
                 "calibration": str(cal_file),
+                "server": server,
                 "runs": rows,
+                "verdict": line,
+                "restart_cost_request_s": cost_s,
                 "wall_s": time.perf_counter() - started,
             },
             indent=2,
