@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
 from controller.hooks.exec import NoHook
 from controller.loop import Controller
 from controller.settings import Settings
+from controller.shipped import example_calibration_path
 from controller.sources.vllm_metrics import VllmMetricsSource
 from tests.support.fake_vllm import FakeVllmServer
 

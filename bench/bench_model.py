@@ -18,8 +18,8 @@ import time
 import numpy as np
 
 from controller import calibration
-from controller.commands._common import example_calibration_path
 from controller.model import Workload, best_draft_length, break_even_rates, predict, speedup_point
+from controller.shipped import example_calibration_path
 
 
 def per_call(fn, number: int, repeat: int = 7) -> float:

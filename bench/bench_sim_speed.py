@@ -12,7 +12,7 @@ import argparse
 import time
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
+from controller.shipped import example_calibration_path
 from controller.sim.engine import Engine
 from controller.sim.scenarios import Scenario
 

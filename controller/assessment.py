@@ -1,6 +1,7 @@
 """Turn an observation into what the decision needs: acceptance, prediction, switch price.
 
-Pure: model, settings, state, observation and time in; an :class:`Assessment` out.
+Pure: model, settings (a :class:`~controller.config.PolicyConfig`), state, observation and
+time in; an :class:`Assessment` out.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
+from controller.config import PolicyConfig
 from controller.model import (
     LatencyModel,
     Workload,
@@ -19,7 +21,7 @@ from controller.model import (
     throughput_at_batch,
 )
 from controller.observation import Observation
-from controller.settings import Settings
+from controller.risk import excursion_filter_s, expected_peak, forecast_peak, forecast_time_to
 from controller.state import ControllerState
 from controller.switch_cost import (
     downtime_estimate,
@@ -47,7 +49,7 @@ class AcceptanceEstimate:
 
 
 def estimate_acceptance(
-    obs: Observation, state: ControllerState, settings: Settings, draft_length: int, now: float
+    obs: Observation, state: ControllerState, settings: PolicyConfig, draft_length: int, now: float
 ) -> AcceptanceEstimate:
     """Measured if SD counters moved this window; else the last one if young enough; else prior."""
     if obs.acceptance_rate is not None:
@@ -103,6 +105,13 @@ class Assessment:
     # Prediction interval of the speedup at the projected rate (calibration residuals).
     speedup_lo: float = math.nan
     speedup_hi: float = math.nan
+    # Risk terms (controller/risk.py): the peak the next hours may bring (history or operator),
+    # the restart back that enabling SD commits to when that peak passes SD's break-even, how
+    # long a switch signal must persist, and whether the applied state is wrong right now.
+    expected_peak_rps: float | None = None
+    undo_cost_request_s: float = 0.0
+    excursion_filter_s: float = 0.0
+    applied_overloaded: bool = False
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -113,7 +122,7 @@ class Assessment:
 
 def assess(
     model: LatencyModel,
-    settings: Settings,
+    settings: PolicyConfig,
     state: ControllerState,
     obs: Observation,
     applied_enabled: bool | None,
@@ -139,7 +148,9 @@ def assess(
         # Conservative toward the catastrophic side: SD at a load beyond its limit. A rising
         # trend is believed; a falling one is not (the load may come back before the dwell ends),
         # and an oscillating load is judged by its recent peak, not by the trough it is in.
-        eval_rate = max(rate, ahead, obs.arrival_rate_peak_rps or 0.0)
+        # The same hours on earlier days say what the next minutes bring better than a trend.
+        soon = forecast_peak(state.rate_history, now, lookahead) or 0.0
+        eval_rate = max(rate, ahead, obs.arrival_rate_peak_rps or 0.0, soon)
     else:
         eval_rate = rate
     best = best_draft_length(model, eval_rate, acc.alpha, workload, settings.draft_length_candidates)
@@ -218,7 +229,23 @@ def assess(
         min_s=settings.dwell_s,
         max_s=max(settings.gain_horizon_max_s, settings.dwell_s),
     )
+    peak = expected_peak(
+        forecast_peak(state.rate_history, now, settings.gain_horizon_max_s), settings.expected_peak_rps
+    )
+    off_be = bes[settings.disable_threshold]
+    undo_cost = 0.0
+    if not currently_on and settings.price_switches and not off_be.always_above and off_be.rate_rps is not None:
+        # Enabling SD commits to a restart back once the load climbs past SD's break-even. If
+        # the next hours bring such a load, that restart is part of the price, and the gain
+        # lasts only until then.
+        r_back = off_be.rate_rps
+        if peak is not None and peak > r_back:
+            undo_cost = _cost_back_off(model, settings, r_back, downtime, acc.alpha, gamma_on, workload, en)
+            until = forecast_time_to(state.rate_history, now, settings.gain_horizon_max_s, r_back)
+            if until is not None:
+                horizon = min(horizon, max(until, settings.dwell_s))
     gain = switch_gain(eval_rate, horizon, lat_cur, lat_new, cap_cur, cap_new)
+    now_cur = now_p.latency_on_s if currently_on else now_p.latency_off_s
     return Assessment(
         arrival_rate_rps=rate,
         projected_rate_rps=eval_rate,
@@ -242,10 +269,37 @@ def assess(
         congested=congested,
         speedup_lo=eval_p.speedup_lo,
         speedup_hi=eval_p.speedup_hi,
+        expected_peak_rps=peak,
+        undo_cost_request_s=undo_cost,
+        excursion_filter_s=excursion_filter_s(downtime, settings.restart_drain_s, settings.excursion_filter_s),
+        applied_overloaded=congested or math.isinf(now_cur),
     )
 
 
-def sd_congestion_remembered(state: ControllerState, settings: Settings, now: float) -> bool:
+def _cost_back_off(
+    model: LatencyModel,
+    settings: PolicyConfig,
+    rate: float,
+    downtime: float,
+    alpha: float,
+    gamma: int,
+    workload: Workload,
+    en: float | None,
+) -> float:
+    """Request-seconds of the restart from SD on back to off at ``rate`` (the backlog drained
+    at the batch it fills, as for the switch now)."""
+    p = predict_point(model, rate, alpha, gamma, workload, en)
+    lat_off = p.latency_off_s if math.isfinite(p.latency_off_s) else 0.0
+    batch = min(float(model.max_num_seqs), rate * downtime + rate * lat_off)
+    capacity = min(p.stability_limit_off_rps, throughput_at_batch(model, batch, False, alpha, gamma, workload, en))
+
+    def latency_on(r: float) -> float:
+        return predict_point(model, r, alpha, gamma, workload, en).latency_on_s
+
+    return switch_cost(rate, downtime, capacity, settings.replicas, p.stability_limit_on_rps, latency_on)
+
+
+def sd_congestion_remembered(state: ControllerState, settings: PolicyConfig, now: float) -> bool:
     return (
         state.sd_congested_rate_rps is not None
         and state.sd_congested_at is not None

@@ -46,7 +46,7 @@ MIN_BATCH_SIZES = 3
 # not a compute knee.
 KNEE_MIN_SIDE = 3
 KNEE_MIN_BIC_GAIN = 10.0
-KNEE_MIN_SSE_GAIN = 0.1
+KNEE_MIN_SSE_GAIN = 0.03
 KNEE_LR_CHI2 = 3.84  # 95 % profile-likelihood interval of the knee position
 
 # --------------------------------------------------------------------------------------------
@@ -89,6 +89,9 @@ class PhaseSpec(_Strict):
     slope_s_per_token: float = Field(ge=0, le=1, description="cost per token in the pass")
     context_s_per_token: float = Field(default=0.0, ge=0, le=1, description="per KV token read")
     seq_s: float = Field(default=0.0, ge=0, le=1, description="per sequence in the pass (sampling, scheduling)")
+    attention_s_per_pair: float = Field(
+        default=0.0, ge=0, le=1, description="per query-key pair of a prompt chunk's attention (P²/2 for a prompt)"
+    )
     knees: list[KneeSpec] = []
     fit: PhaseFit | None = None
 
@@ -110,6 +113,7 @@ class PhaseSpec(_Strict):
             tuple(k.slope_delta_s_per_token for k in knees),
             self.context_s_per_token,
             self.seq_s,
+            self.attention_s_per_pair,
         )
 
 
@@ -525,8 +529,9 @@ def _nonneg_lstsq(
         active.remove(worst)
 
 
-# A row's passes: (count, tokens, KV tokens read, sequences) of one forward function.
-Passes = tuple[tuple[float, float, float, float], ...]
+# A row's passes: (count, tokens, KV tokens read, sequences, prompt attention pairs) of one
+# forward function.
+Passes = tuple[tuple[float, float, float, float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -539,17 +544,19 @@ class _Sample:
     sd_step: bool = False
 
 
-def _prefill_passes(total_tokens: float, seqs: float, budget: int | None) -> Passes:
+def _prefill_passes(total_tokens: float, seqs: float, budget: int | None, prompt_tokens: float) -> Passes:
     """A batch's prompts as chunks of at most ``budget`` tokens, one pass each (its sequences
-    spread over the chunks in proportion to their tokens)."""
+    spread over the chunks in proportion to their tokens). A prompt token attends to P/2 keys
+    on average, in whichever chunk it lands: P²/2 pairs per prompt."""
+    half = prompt_tokens / 2.0
     if budget is None or total_tokens <= budget:
-        return ((1.0, total_tokens, 0.0, seqs),)
+        return ((1.0, total_tokens, 0.0, seqs, total_tokens * half),)
     full = math.floor(total_tokens / budget)
     rest = total_tokens - full * budget
     per_token = seqs / total_tokens
-    out = [(float(full), float(budget), 0.0, budget * per_token)]
+    out = [(float(full), float(budget), 0.0, budget * per_token, budget * half)]
     if rest > 0:
-        out.append((1.0, rest, 0.0, rest * per_token))
+        out.append((1.0, rest, 0.0, rest * per_token, rest * half))
     return tuple(out)
 
 
@@ -557,22 +564,29 @@ def target_passes(row: BenchRow, budget: int | None) -> Passes:
     """The target forward passes one bench row measured."""
     b, k, ctx = row.batch_size, row.tokens_per_seq, row.context_len
     if row.phase == "prefill":
-        return _prefill_passes(b * k, b, budget)
-    if row.phase == "mixed":
-        return ((1.0, b * k + row.chunk_tokens, b * ctx, b + 1.0),)
-    return ((1.0, b * k, b * ctx, float(b)),)  # target, verify
+        return _prefill_passes(b * k, b, budget, k)
+    if row.phase == "mixed":  # the chunk is a fresh prompt: its own attention, C²/2 pairs
+        c = row.chunk_tokens
+        return ((1.0, b * k + c, b * ctx, b + 1.0, c * c / 2.0),)
+    return ((1.0, b * k, b * ctx, float(b), 0.0),)  # target, verify
 
 
 def draft_passes(row: BenchRow, budget: int | None) -> Passes:
     """The draft passes inside one SD bench row (first pass carries any prompt chunk)."""
     b, gamma, ctx = row.batch_size, row.draft_length, row.context_len
     if row.phase == "prefill":
-        return _prefill_passes(b * row.tokens_per_seq, b, budget)
+        return _prefill_passes(b * row.tokens_per_seq, b, budget, row.tokens_per_seq)
+    # vLLM v1's proposer runs the draft first over every token the target just processed (the
+    # γ+1 verified tokens of each sequence and any prompt chunk, to catch its KV up), then γ − 1
+    # single-token passes.
+    step = b * (gamma + 1.0)
+    rest = (gamma - 1.0, float(b), b * ctx, float(b), 0.0)
     if row.phase == "mixed":
-        return ((1.0, b + row.chunk_tokens, b * ctx, b + 1.0), (gamma - 1.0, float(b), b * ctx, float(b)))
+        c = row.chunk_tokens
+        return ((1.0, step + c, b * ctx, b + 1.0, c * c / 2.0), rest)
     if row.phase == "draft":  # a direct measurement of one draft pass
-        return ((1.0, float(b * row.tokens_per_seq), b * ctx, float(b)),)
-    return ((float(gamma), float(b), b * ctx, float(b)),)  # verify
+        return ((1.0, float(b * row.tokens_per_seq), b * ctx, float(b), 0.0),)
+    return ((1.0, step, b * ctx, float(b), 0.0), rest)  # verify
 
 
 @dataclass(frozen=True)
@@ -582,10 +596,11 @@ class _Terms:
     context: bool
     seq: bool
     overhead: bool
+    attention: bool = False
 
     @property
     def count(self) -> int:
-        return 2 + int(self.context) + int(self.seq) + int(self.overhead)
+        return 2 + int(self.context) + int(self.seq) + int(self.overhead) + int(self.attention)
 
 
 def _columns(samples: Sequence[_Sample], knees: Sequence[float], terms: _Terms) -> dict[str, np.ndarray]:
@@ -595,18 +610,22 @@ def _columns(samples: Sequence[_Sample], knees: Sequence[float], terms: _Terms) 
         cols["context"] = np.zeros(n)
     if terms.seq:
         cols["seq"] = np.zeros(n)
+    if terms.attention:
+        cols["attention"] = np.zeros(n)
     for j in range(len(knees)):
         cols[f"knee{j}"] = np.zeros(n)
     if terms.overhead:
         cols["overhead"] = np.array([1.0 if s.sd_step else 0.0 for s in samples])
     for i, s in enumerate(samples):
-        for count, x, z, q in s.passes:
+        for count, x, z, q, a in s.passes:
             cols["intercept"][i] += count
             cols["slope"][i] += count * x
             if terms.context:
                 cols["context"][i] += count * z
             if terms.seq:
                 cols["seq"][i] += count * q
+            if terms.attention:
+                cols["attention"][i] += count * a
             for j, k in enumerate(knees):
                 cols[f"knee{j}"][i] += count * max(0.0, x - k)
     return cols
@@ -638,6 +657,7 @@ def _fit_passes(samples: Sequence[_Sample], knees: Sequence[float], terms: _Term
         slope_s_per_token=coef["slope"],
         context_s_per_token=coef.get("context", 0.0),
         seq_s=coef.get("seq", 0.0),
+        attention_s_per_pair=coef.get("attention", 0.0),
         knees=[
             KneeSpec(at_tokens=k, slope_delta_s_per_token=coef[f"knee{j}"])
             for j, k in enumerate(knees)
@@ -656,7 +676,7 @@ def _step_tokens(samples: Sequence[_Sample]) -> np.ndarray:
     return np.array([max(p[1] for p in s.passes) for s in samples])
 
 
-MAX_KNEES = 3
+MAX_KNEES = 5
 
 
 def _add_knee(
@@ -769,14 +789,20 @@ def _fit_function(
     x = np.array([sum(p[0] * p[1] for p in s.passes) for s in samples])
     z = np.array([sum(p[0] * p[2] for p in s.passes) for s in samples])
     q = np.array([sum(p[0] * p[3] for p in s.passes) for s in samples])
+    a = np.array([sum(p[0] * p[4] for p in s.passes) for s in samples])
     n_pass = np.array([sum(p[0] for p in s.passes) for s in samples])
     use_ctx = _independent(z, [x, n_pass])
     use_seq = _independent(q, [x, n_pass, *([z] if use_ctx else [])])
+    # A prompt's own attention needs prompts (or chunks) of several lengths to be told from
+    # the per-token cost; with one length it is folded into the token slope.
+    use_attn = _independent(a, [x, n_pass, *([z] if use_ctx else []), *([q] if use_seq else [])])
     if not use_ctx:
         notes.append("context term not identifiable (KV read does not vary independently of tokens); set to 0")
     if not use_seq:
         notes.append("per-sequence term not identifiable (sequences move with tokens); folded into the token slope")
-    terms = _Terms(use_ctx, use_seq, use_overhead)
+    if not use_attn and np.any(a > 0):
+        notes.append("prompt attention term not identifiable (one prompt length): folded into the token slope")
+    terms = _Terms(use_ctx, use_seq, use_overhead, use_attn)
     fit = _fit_passes(samples, [], terms)
     knees: list[float] = []
     while allow_knee and len(knees) < MAX_KNEES:
@@ -819,7 +845,7 @@ def fit_target(rows: Sequence[BenchRow], budget: int | None, moe: Moe | None, wh
     for r in used:
         passes = target_passes(r, budget)
         if moe is not None:
-            passes = tuple((c, float(moe.effective_tokens(x)), z, q) for c, x, z, q in passes)
+            passes = tuple((c, float(moe.effective_tokens(x)), z, q, a) for c, x, z, q, a in passes)
         samples.append(_Sample(passes, r.latency_s, 1.0 / max(r.latency_s, 1e-9)))
     notes: list[str] = []
     if not any(r.phase == "mixed" for r in prompt):
@@ -842,7 +868,9 @@ def fit_draft(
     samples, measured = [], []
     for r in sd_rows:
         known = (
-            0.0 if r.phase == "draft" else sum(c * target.scalar(x, z, q) for c, x, z, q in target_passes(r, budget))
+            0.0
+            if r.phase == "draft"
+            else sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in target_passes(r, budget))
         )
         samples.append(
             _Sample(
@@ -870,6 +898,32 @@ def _kv_tokens(rows: Sequence[BenchRow], sd: bool) -> int | None:
     return int(min(caps)) if caps else None
 
 
+# A batch whose KV context fills this much of the cache is about to be preempted as it grows.
+KV_FILL_LIMIT = 0.98
+
+
+def drop_over_kv(rows: Sequence[BenchRow]) -> tuple[list[BenchRow], int]:
+    """Rows whose batch could not hold its KV context in the measured server's cache, removed.
+
+    Past the cache vLLM preempts and recomputes sequences, so such a step time measures the
+    preemption, not the pass: fitting it would bend the context slope. Needs the ``kv_cache``
+    row of the same server (same draft length); without it nothing is dropped.
+    """
+    caps = {r.draft_length: r.context_len for r in rows if r.phase == "kv_cache" and r.context_len > 0}
+    kept, dropped = [], 0
+    for r in rows:
+        cap = caps.get(r.draft_length)
+        if (
+            cap is not None
+            and r.phase in ("target", "verify", "mixed")
+            and r.batch_size * r.context_len > KV_FILL_LIMIT * cap
+        ):
+            dropped += 1
+            continue
+        kept.append(r)
+    return kept, dropped
+
+
 def fit_phases(
     rows: Sequence[BenchRow],
     warmup: int = DEFAULT_WARMUP,
@@ -878,8 +932,11 @@ def fit_phases(
     budget: int | None = None,
 ) -> tuple[Phases, Uncertainty]:
     """Fit the target and draft passes; prefill (or mixed), target and verify rows are required."""
-    kept = drop_warmup(rows, warmup, where)
+    kept, dropped = drop_over_kv(drop_warmup(rows, warmup, where))
     target = fit_target(kept, budget, moe, where)
+    if dropped:
+        note = f"{dropped} row(s) dropped: their batch's KV context exceeds the server's KV cache (vLLM preempts)"
+        target = target.model_copy(update={"fit": target.fit.model_copy(update={"notes": [*target.fit.notes, note]})})
     draft, overhead, _draft_prefill = fit_draft(kept, target.step_cost(), budget, where)
     unc = Uncertainty(
         relative_sd_off=min(target.fit.relative_rmse if target.fit else 0.0, 1.0),

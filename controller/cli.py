@@ -1,8 +1,8 @@
 """Command-line entry point: argument parsing and dispatch only.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int``; modules are imported lazily so ``sd-controller predict`` does not
-pay for the launcher, the simulator or matplotlib.
+Each subcommand lives in its own module of :mod:`controller.commands`, exposing
+``add_arguments(parser)`` and ``run(args) -> int``; modules are imported lazily so
+``sd-controller predict`` does not pay for the launcher, the simulator or matplotlib.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from controller import __version__
+from controller.errors import EXIT_USAGE
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -29,19 +30,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "run": ("controller.commands.run", "run the controller daemon next to one vLLM server"),
     "launch": (
-        "controller.launcher.cli",
+        "controller.commands.launch",
         "run vLLM as a child process with an admin API to toggle SD",
     ),
     "bench": (
-        "controller.benchmark.cli",
+        "controller.commands.bench",
         "micro-benchmark or load-test a running vLLM server into the CSVs calibrate reads",
     ),
-    "demo": ("controller.sim.demo", "simulated day: the controller vs always-on and always-off"),
-    "simulate": ("controller.sim.serve", "serve a simulated vLLM (/metrics + admin API) over HTTP"),
-    "backtest": ("controller.sim.backtest", "replay history through the decision logic"),
+    "demo": ("controller.commands.demo", "simulated day: the controller vs always-on and always-off"),
+    "simulate": ("controller.commands.simulate", "serve a simulated vLLM (/metrics + admin API) over HTTP"),
+    "backtest": ("controller.commands.backtest", "replay history through the decision logic"),
 }
-
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,3 +24,8 @@ def validation_error_line(where: str, exc: Exception) -> str:
     loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{where}: {loc}: {err['msg']}{more}"
+
+
+# Exit codes of every command: 2 for bad usage or config (an InputError), 1 for a failure at
+# run time (a server that went away, a child that could not be kept up).
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2

@@ -25,31 +25,18 @@ from prometheus_client import CollectorRegistry
 
 from controller import deadline, policy
 from controller.assessment import Assessment, assess
+from controller.config import OverrideMode
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
 from controller.model import LatencyModel
 from controller.observation import Observation, ObserveResult
 from controller.policy import Decision
-from controller.settings import OverrideMode, Settings
+from controller.settings import Settings
+from controller.sources.base import Source
 from controller.state import ControllerState, clamp_to_clock
-from controller.state_store import MemoryStateStore
+from controller.state_store import MemoryStateStore, StateStore
 
 log = structlog.get_logger("sd_controller")
-
-
-class Source:
-    """Protocol of an observation source (see controller/sources/)."""
-
-    def observe(self, now: float) -> ObserveResult:  # pragma: no cover - protocol
-        raise NotImplementedError
-
-
-class StateStore:
-    def load(self) -> ControllerState:  # pragma: no cover - protocol
-        raise NotImplementedError
-
-    def save(self, state: ControllerState) -> None:  # pragma: no cover - protocol
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -128,8 +115,12 @@ class Controller:
         dry_run: bool = False,
         override: Callable[[], OverrideMode] | None = None,
         notify: Callable[[str, dict], None] | None = None,
+        state: ControllerState | None = None,
     ) -> None:
+        """``state``: the state to start from, when the caller has loaded it already (the
+        state file is read once); otherwise ``state_store.load()``."""
         self.settings = settings
+        self.policy_config = settings.policy  # all the pure core sees of the settings
         self.model = model
         self.source = source
         self.hook = hook
@@ -140,7 +131,7 @@ class Controller:
         self.dry_run = dry_run
         self.override = override or (lambda: settings.override)
         self.notify = notify or (lambda event, payload: None)
-        self.state = self.store.load()
+        self.state = state if state is not None else self.store.load()
         self.started_at = clock()
         self.last_tick_at: float | None = None
         self.failed_ticks = 0  # consecutive ticks that raised
@@ -156,7 +147,7 @@ class Controller:
             return self._tick()
 
     def _tick(self) -> TickResult:
-        s = self.settings
+        s = self.policy_config
         now = self.clock()
         state, clamped = clamp_to_clock(self.state, now, s.failure_backoff_max_s)
         if clamped:
@@ -169,7 +160,7 @@ class Controller:
         assessment = None
         if failure is None and isinstance(obs, Observation):
             assessment = assess(self.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now)
-        decision, state = policy.decide(s, state, obs, assessment, override, now)
+        decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
         events = events + decision.events
         acted = False
         if decision.acts and not self.dry_run:

@@ -47,16 +47,19 @@ DEFAULT_GEN_CV = 1.0
 # Half-width of a prediction interval in units of the calibration's relative residual (≈ 90 %).
 INTERVAL_Z = 1.645
 PREFILL_WAIT_STEPS = 1.5  # half a step in flight + the prompt's own (mixed) step
+OTHER_PROMPTS_SHARE = 0.0
 
 
 @dataclass(frozen=True)
 class StepCost:
     """Cost in seconds of one forward pass.
 
-    ``t(x, z, s) = intercept_s + slope_s_per_token·x + Σ_j knee_slope_deltas[j]·max(0, x − knees_tokens[j])
-    + context_s_per_token·z + seq_s·s``: continuous, piecewise linear in the pass's tokens ``x``,
-    linear in the KV tokens read ``z`` and in the sequences ``s`` it carries (sampling and
-    scheduling are paid per sequence, so a decode token costs more than a prompt token).
+    ``t(x, z, s, a) = intercept_s + slope_s_per_token·x + Σ_j knee_slope_deltas[j]·max(0, x − knees_tokens[j])
+    + context_s_per_token·z + seq_s·s + pair_s·a``: continuous, piecewise linear in the pass's
+    tokens ``x``, linear in the KV tokens read ``z``, in the sequences ``s`` it carries (sampling
+    and scheduling are paid per sequence, so a decode token costs more than a prompt token) and
+    in the query–key pairs ``a`` of its prompt chunks' attention (a prompt of P tokens attends
+    P²/2 pairs: what makes a long prompt cost more per token than a short one).
     """
 
     intercept_s: float
@@ -65,26 +68,29 @@ class StepCost:
     knee_slope_deltas: tuple[float, ...] = ()
     context_s_per_token: float = 0.0
     seq_s: float = 0.0
+    pair_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.knees_tokens) != len(self.knee_slope_deltas):
             raise ValueError("knees_tokens and knee_slope_deltas must have the same length")
 
-    def __call__(self, tokens: ArrayLike, context_tokens: ArrayLike = 0.0, seqs: ArrayLike = 0.0) -> np.ndarray:
+    def __call__(
+        self, tokens: ArrayLike, context_tokens: ArrayLike = 0.0, seqs: ArrayLike = 0.0, pairs: ArrayLike = 0.0
+    ) -> np.ndarray:
         x = np.asarray(tokens, dtype=float)
         t = self.intercept_s + self.slope_s_per_token * x
         for knee, delta in zip(self.knees_tokens, self.knee_slope_deltas, strict=True):
             t = t + delta * np.maximum(0.0, x - knee)
         t = t + self.context_s_per_token * np.asarray(context_tokens, dtype=float)
-        return t + self.seq_s * np.asarray(seqs, dtype=float)
+        return t + self.seq_s * np.asarray(seqs, dtype=float) + self.pair_s * np.asarray(pairs, dtype=float)
 
-    def scalar(self, tokens: float, context_tokens: float = 0.0, seqs: float = 0.0) -> float:
+    def scalar(self, tokens: float, context_tokens: float = 0.0, seqs: float = 0.0, pairs: float = 0.0) -> float:
         """Same as calling it, on plain floats (the fast path)."""
         t = self.intercept_s + self.slope_s_per_token * tokens
         for knee, delta in zip(self.knees_tokens, self.knee_slope_deltas, strict=True):
             if tokens > knee:
                 t += delta * (tokens - knee)
-        return t + self.context_s_per_token * context_tokens + self.seq_s * seqs
+        return t + self.context_s_per_token * context_tokens + self.seq_s * seqs + self.pair_s * pairs
 
     def scaled(self, factor: float) -> StepCost:
         return StepCost(
@@ -94,6 +100,7 @@ class StepCost:
             tuple(d * factor for d in self.knee_slope_deltas),
             self.context_s_per_token * factor,
             self.seq_s * factor,
+            self.pair_s * factor,
         )
 
     @property
@@ -103,6 +110,7 @@ class StepCost:
             and self.slope_s_per_token == 0.0
             and self.context_s_per_token == 0.0
             and self.seq_s == 0.0
+            and self.pair_s == 0.0
             and not any(self.knee_slope_deltas)
         )
 
@@ -151,6 +159,7 @@ def _moe_in_tokens(cost: StepCost, moe: Moe, max_tokens: float) -> StepCost:
         tuple(float(d) for d in np.diff(slopes)),
         cost.context_s_per_token,
         cost.seq_s,
+        cost.pair_s,
     )
 
 
@@ -226,6 +235,12 @@ class Workload:
         and spread; three Gauss–Hermite nodes reproduce its first five moments.
         """
         return _prompt_nodes(float(self.prompt_tokens), self.prompt_tokens_std)
+
+    @property
+    def prompt_pairs(self) -> float:
+        """Mean query–key pairs of a prompt's own attention: E[P²]/2 (chunking does not change it)."""
+        sd = self.prompt_tokens_std or 0.0
+        return 0.5 * (self.prompt_tokens * self.prompt_tokens + sd * sd)
 
     @property
     def gen_tokens_var(self) -> float:
@@ -362,21 +377,34 @@ def _mode_pieces(
             step.add_pass(verify, 1.0, k, 0.0, ctx)
         else:
             step.add_pass(target, 1.0, k, 0.0, ctx)
-        step.add_pass(draft, draft_length, 1.0, 0.0, ctx)
+        if verify is None:
+            # vLLM v1's proposer: one draft pass over the step's tokens (the verified γ+1 of each
+            # sequence), then γ − 1 single-token passes.
+            step.add_pass(draft, 1.0, k, 0.0, ctx)
+            step.add_pass(draft, draft_length - 1.0, 1.0, 0.0, ctx)
+        else:
+            step.add_pass(draft, draft_length, 1.0, 0.0, ctx)
         step.c0 += model.sd_overhead_s * model.scale_on
     else:
         step.add_pass(target, 1.0, 1.0, 0.0, ctx)
     nodes = workload.prompt_nodes
+    steps = (g - 1.0) / accepted_length
+    # Prompts share steps: a step carries λ·τ̄ ≈ B/(steps + 1.5) prompts on average (each of the
+    # B requests brings one over its stay), and a prompt's marginal cost lands on top of the
+    # decode tokens *and* of the others scheduled before it in that step (half of them, on
+    # average): P̄/(2·(steps + 1.5)) more tokens per running sequence.
+    shared = OTHER_PROMPTS_SHARE * p / (steps + PREFILL_WAIT_STEPS) if p > 0 else 0.0
     if p > 0:
         if prefill is not None:  # schema-1: stand-alone prefill slope, no mixed-step data
             prompt.c0 += prefill.scalar(p, p) - prefill.intercept_s
         else:
             # The marginal cost of P prompt tokens on a step that already carries k·B tokens,
             # averaged over the prompt-length distribution.
-            prompt.add_marginal(target, k, nodes)
+            prompt.add_marginal(target, k + shared, nodes)
+            prompt.c0 += target.pair_s * workload.prompt_pairs
         if sd and model.draft_prefills and not draft.is_zero:
-            prompt.add_marginal(draft, 1.0, nodes)
-    steps = (g - 1.0) / accepted_length
+            prompt.add_marginal(draft, k + shared, nodes)
+            prompt.c0 += draft.pair_s * workload.prompt_pairs
     # A request shares its steps with the B = λ·T others (Poisson arrivals see the time average)
     # and with itself: its steps run at batch B + 1, which matters at low load.
     return step.shifted(1.0), prompt.shifted(1.0), steps, k

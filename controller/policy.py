@@ -1,5 +1,8 @@
 """The decision state machine: pure functions of (settings, state, inputs, now).
 
+``settings`` is a :class:`~controller.config.PolicyConfig`: the decision and pricing groups
+only, frozen (``Settings.policy`` builds it), never the environment-reading Settings.
+
 One tick runs, in order:
 
 1. :func:`reconcile` — fold the hook's status into the state: confirm or fail a pending change
@@ -20,12 +23,17 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from controller.assessment import AcceptanceSource, Assessment
+from controller.config import OverrideMode, PolicyConfig
 from controller.hooks.base import HookPhase, HookStatus
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
-from controller.settings import OverrideMode, Settings
+from controller.risk import in_startup_hold, persisted_since, record_rate
 from controller.state import ControllerState, PendingChange
 
 MAX_RESTART_DURATIONS = 20
+# The rate history the forecast reads: one bucket per 5 minutes, eight days (yesterday and
+# the same weekday last week, with room): at most 2305 pairs in the state file.
+HISTORY_BUCKET_S = 300.0
+HISTORY_KEEP_S = 8 * 86_400.0
 
 
 class Action(StrEnum):
@@ -49,6 +57,9 @@ class Reason(StrEnum):
     OBSERVATION = "observation_unusable"
     APPLIED_UNKNOWN = "applied_state_unknown"
     SWITCH_COST = "switch_cost_exceeds_gain"
+    ROUND_TRIP = "round_trip_cost_exceeds_gain"  # enabling must also pay the restart back at the peak
+    EXCURSION = "excursion_shorter_than_restart"  # the signal has not outlasted a restart yet
+    STARTUP = "startup_keeps_launched_state"  # no history yet, and the launched state is not wrong
 
 
 class ControllerPhase(StrEnum):
@@ -74,7 +85,7 @@ class Decision:
         return self.action is not Action.NONE
 
 
-def usable(result: ObserveResult, settings: Settings) -> ObservationFailure | None:
+def usable(result: ObserveResult, settings: PolicyConfig) -> ObservationFailure | None:
     """Gate: only fresh, complete observations may move the controller."""
     if isinstance(result, ObservationFailure):
         return result
@@ -87,11 +98,11 @@ def usable(result: ObserveResult, settings: Settings) -> ObservationFailure | No
     return None
 
 
-def _backoff(settings: Settings, failures: int) -> float:
+def _backoff(settings: PolicyConfig, failures: int) -> float:
     return min(settings.failure_backoff_s * 2 ** max(failures - 1, 0), settings.failure_backoff_max_s)
 
 
-def _fail(state: ControllerState, settings: Settings, now: float, why: str) -> tuple[ControllerState, str]:
+def _fail(state: ControllerState, settings: PolicyConfig, now: float, why: str) -> tuple[ControllerState, str]:
     failures = state.consecutive_failures + 1
     new = dataclasses.replace(
         state, pending=None, consecutive_failures=failures, retry_not_before=now + _backoff(settings, failures)
@@ -100,7 +111,7 @@ def _fail(state: ControllerState, settings: Settings, now: float, why: str) -> t
 
 
 def reconcile(
-    state: ControllerState, status: HookStatus, settings: Settings, now: float
+    state: ControllerState, status: HookStatus, settings: PolicyConfig, now: float
 ) -> tuple[ControllerState, tuple[str, ...]]:
     """Fold what the hook reports into the state; returns the new state and events."""
     events: list[str] = []
@@ -167,6 +178,10 @@ def _remember(state: ControllerState, obs: Observation, a: Assessment, now: floa
     changes: dict = {}
     if a.acceptance.source is AcceptanceSource.MEASURED:
         changes.update(last_acceptance_rate=a.acceptance.rate, last_alpha=a.acceptance.alpha, last_acceptance_at=now)
+    if obs.arrival_rate_rps is not None:
+        changes.update(
+            rate_history=record_rate(state.rate_history, now, obs.arrival_rate_rps, HISTORY_BUCKET_S, HISTORY_KEEP_S)
+        )
     if obs.mean_prompt_tokens is not None and obs.mean_gen_tokens is not None and obs.mean_gen_tokens > 0:
         changes.update(last_prompt_tokens=obs.mean_prompt_tokens, last_gen_tokens=obs.mean_gen_tokens)
     if a.congested and state.applied_enabled:
@@ -179,7 +194,7 @@ def _remember(state: ControllerState, obs: Observation, a: Assessment, now: floa
 
 
 def _floor(
-    state: ControllerState, a: Assessment, settings: Settings, now: float
+    state: ControllerState, a: Assessment, settings: PolicyConfig, now: float
 ) -> tuple[ControllerState, bool, tuple[str, ...]]:
     """Track rolling acceptance below the floor; True once it has stayed there long enough."""
     if not state.applied_enabled or a.acceptance.source is not AcceptanceSource.MEASURED:
@@ -196,14 +211,18 @@ def _floor(
 
 
 def decide(
-    settings: Settings,
+    settings: PolicyConfig,
     state: ControllerState,
     observation: ObserveResult,
     assessment: Assessment | None,
     override: OverrideMode,
     now: float,
+    started_at: float | None = None,
 ) -> tuple[Decision, ControllerState]:
-    """The tick's decision and the state after it (before the hook is called)."""
+    """The tick's decision and the state after it (before the hook is called).
+
+    ``started_at``: when this controller process started (the startup hold); None: no hold.
+    """
     events: list[str] = []
     gamma = settings.draft_length
 
@@ -255,6 +274,11 @@ def decide(
     s = assessment.decision_speedup
     want_off = on and (floor_hit or s < settings.disable_threshold)
     want_on = (not on) and s > settings.enable_threshold
+    since, since_enabled = persisted_since(
+        state.switch_wanted_since, state.switch_wanted_enabled, (not on) if (want_off or want_on) else None, now
+    )
+    if (since, since_enabled) != (state.switch_wanted_since, state.switch_wanted_enabled):
+        state = dataclasses.replace(state, switch_wanted_since=since, switch_wanted_enabled=since_enabled)
     if not (want_off or want_on):
         detail = (
             f"SD on, speedup {s:.3f} >= disable threshold {settings.disable_threshold}"
@@ -276,20 +300,44 @@ def decide(
     else:
         reason, detail = Reason.SPEEDUP_HIGH, f"speedup {s:.3f} > {settings.enable_threshold}"
 
-    # 4. Necessary conditions on top of the thresholds: dwell, backoff, and the price of the switch.
+    # 4. Necessary conditions on top of the thresholds: startup hold, dwell, backoff, the
+    #    excursion filter, and the price of the switch (with the way back when enabling).
+    # The risk terms belong to the priced rule: price_switches=false is thresholds, dwell and lock only.
+    risk = settings.price_switches and not floor_hit
+    if risk and not assessment.applied_overloaded and in_startup_hold(now, started_at, settings.startup_hold_s):
+        left = settings.startup_hold_s - (now - (started_at or now))
+        return out(
+            Action.NONE,
+            Reason.STARTUP,
+            f"{detail}; launched state kept {left:.0f}s more (it is not overloaded)",
+            on,
+            state,
+        )
     if state.last_change_at is not None and now - state.last_change_at < settings.dwell_s:
         left = settings.dwell_s - (now - state.last_change_at)
         return out(Action.NONE, Reason.DWELL, f"{detail}; dwell holds {left:.0f}s more", on, state)
     if state.retry_not_before is not None and now < state.retry_not_before:
         left = state.retry_not_before - now
         return out(Action.NONE, Reason.BACKOFF, f"{detail}; retry after {left:.0f}s", on, state)
+    lasted = now - (state.switch_wanted_since if state.switch_wanted_since is not None else now)
+    if risk and lasted < assessment.excursion_filter_s:
+        return out(
+            Action.NONE,
+            Reason.EXCURSION,
+            f"{detail}; wanted for {lasted:.0f}s < {assessment.excursion_filter_s:.0f}s (restart + drain)",
+            on,
+            state,
+        )
     if settings.price_switches and not floor_hit:
         gain, cost = assessment.projected_gain_request_s, assessment.switch_cost_request_s
-        if not (math.isinf(gain) and gain > 0) and not gain > settings.switch_margin * cost:
+        back = assessment.undo_cost_request_s if want_on else 0.0
+        if not (math.isinf(gain) and gain > 0) and not gain > settings.switch_margin * (cost + back):
+            why = Reason.SWITCH_COST if gain <= settings.switch_margin * cost else Reason.ROUND_TRIP
+            extra = f" + the restart back at the expected peak {back:.0f} req·s" if back else ""
             return out(
                 Action.NONE,
-                Reason.SWITCH_COST,
-                f"{detail}; gain {gain:.0f} req·s < {settings.switch_margin}× cost {cost:.0f} req·s",
+                why,
+                f"{detail}; gain {gain:.0f} req·s < {settings.switch_margin}× (cost {cost:.0f} req·s{extra})",
                 on,
                 state,
             )
@@ -308,7 +356,7 @@ def begin_request(state: ControllerState, decision: Decision, now: float) -> Con
 
 
 def record_request(
-    state: ControllerState, settings: Settings, accepted: bool, now: float, uncertain: bool = False
+    state: ControllerState, settings: PolicyConfig, accepted: bool, now: float, uncertain: bool = False
 ) -> tuple[ControllerState, tuple[str, ...]]:
     """After the hook call: keep the lock if accepted, else count a failure and back off.
 

@@ -8,6 +8,7 @@ the dwell holds), a change still pending, the failure backoff, and the last meas
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,10 +44,16 @@ class ControllerState:
     restart_durations_s: tuple[float, ...] = field(default_factory=tuple)
     sd_congested_rate_rps: float | None = None  # lowest rate at which SD was seen congested
     sd_congested_at: float | None = None
+    # The switch the rule has wanted since when (the excursion filter), and the load history
+    # that forecasts the next hours (controller/risk.py): both survive a controller restart.
+    switch_wanted_since: float | None = None
+    switch_wanted_enabled: bool | None = None
+    rate_history: tuple[tuple[float, float], ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["restart_durations_s"] = list(self.restart_durations_s)
+        d["rate_history"] = [list(item) for item in self.rate_history]
         return {"version": STATE_VERSION, **d}
 
     @classmethod
@@ -70,7 +77,9 @@ class ControllerState:
                 if not isinstance(value, list) or not all(_finite(v) and v >= 0 for v in value):
                     raise ValueError("restart_durations_s must be a list of non-negative numbers")
                 values[name] = tuple(float(v) for v in value)
-            elif name in ("applied_enabled",):
+            elif name == "rate_history":
+                values[name] = _rate_history(value)
+            elif name in ("applied_enabled", "switch_wanted_enabled"):
                 if value is not None and not isinstance(value, bool):
                     raise ValueError(f"{name} must be true, false or null")
                 values[name] = value
@@ -87,7 +96,14 @@ class ControllerState:
         return cls(**values)
 
 
-_PAST_TIMES = ("last_change_at", "low_acceptance_since", "floor_tripped_at", "last_acceptance_at", "sd_congested_at")
+_PAST_TIMES = (
+    "last_change_at",
+    "low_acceptance_since",
+    "floor_tripped_at",
+    "last_acceptance_at",
+    "sd_congested_at",
+    "switch_wanted_since",
+)
 
 
 def clamp_to_clock(state: ControllerState, now: float, max_backoff_s: float) -> tuple[ControllerState, tuple[str, ...]]:
@@ -113,6 +129,19 @@ def clamp_to_clock(state: ControllerState, now: float, max_backoff_s: float) -> 
 
 def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _rate_history(value: Any) -> tuple[tuple[float, float], ...]:
+    if not isinstance(value, list):
+        raise ValueError("rate_history must be a list of [time, rate] pairs")
+    out = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and _finite(item[0]) and _finite(item[1]) and item[1] >= 0):
+            raise ValueError("rate_history must be a list of [time, non-negative rate] pairs")
+        out.append((float(item[0]), float(item[1])))
+    if any(b[0] <= a[0] for a, b in itertools.pairwise(out)):
+        raise ValueError("rate_history times must increase")
+    return tuple(out)
 
 
 def _pending(value: Any) -> PendingChange | None:

@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
@@ -14,6 +15,20 @@ from controller.errors import ConfigError
 from controller.state import ControllerState
 
 log = structlog.get_logger("sd_controller.state")
+
+
+class StateStore(Protocol):
+    """What the controller relies on: ``load`` once at start (by whoever builds the
+    controller), ``save`` after every tick and before every hook request, so a restarted
+    controller keeps its dwell clock, its pending lock and the last measured acceptance."""
+
+    def load(self) -> ControllerState:
+        """The saved state, or a fresh one when there is none."""
+        ...
+
+    def save(self, state: ControllerState) -> None:
+        """Persist ``state``; raises OSError when it cannot (the tick fails, and says so)."""
+        ...
 
 
 class MemoryStateStore:

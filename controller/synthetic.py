@@ -18,9 +18,9 @@ from controller.model import LatencyModel
 
 
 def _true_latency(model: LatencyModel, row: BenchRow, budget: int | None) -> float:
-    t = sum(c * model.target.scalar(x, z, q) for c, x, z, q in target_passes(row, budget))
+    t = sum(c * model.target.scalar(x, z, q, a) for c, x, z, q, a in target_passes(row, budget))
     if row.draft_length > 0:
-        t += sum(c * model.draft.scalar(x, z, q) for c, x, z, q in draft_passes(row, budget))
+        t += sum(c * model.draft.scalar(x, z, q, a) for c, x, z, q, a in draft_passes(row, budget))
         if row.phase in ("verify", "mixed"):
             t += model.sd_overhead_s
     return float(t)

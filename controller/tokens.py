@@ -27,3 +27,18 @@ def read_token(token_file: str | os.PathLike[str] | None, env_var: str, file_opt
             raise ConfigError(f"{file_option}: {path} is empty")
         return token
     return os.environ.get(env_var, "").strip() or None
+
+
+ADMIN_TOKEN_ENV = "SD_LAUNCHER_ADMIN_TOKEN"
+
+
+def read_admin_token(token_file: str | os.PathLike[str] | None, insecure_no_token: bool) -> str | None:
+    """The admin API's token (``--admin-token-file`` or ``SD_LAUNCHER_ADMIN_TOKEN``).
+
+    Served by ``launch`` and ``simulate`` alike. None only with ``insecure_no_token``;
+    otherwise a missing token is a ConfigError.
+    """
+    token = read_token(token_file, ADMIN_TOKEN_ENV, f"--admin-token-file {token_file}")
+    if token is None and not insecure_no_token:
+        raise ConfigError(f"no admin token: set {ADMIN_TOKEN_ENV} or --admin-token-file (or --insecure-no-token)")
+    return token

@@ -14,10 +14,10 @@ import statistics
 
 import pytest
 
-from controller.benchmark import cli
 from controller.benchmark.http import HttpServer
 from controller.benchmark.micro import MicroPlan, run_micro
 from controller.benchmark.probe import ProbeError, ProbeRequest
+from controller.commands import bench as cli
 from tests.support.fake_vllm import FakeVllmServer
 
 SECRET = "sk-very-secret-token"
@@ -201,4 +201,4 @@ def test_cli_runtime_errors_are_one_line_exit_1(fake, tmp_path, capsys):
 def test_the_bench_subcommand_points_here():
     from controller.cli import SUBCOMMANDS
 
-    assert SUBCOMMANDS["bench"][0] == "controller.benchmark.cli"
+    assert SUBCOMMANDS["bench"][0] == "controller.commands.bench"

@@ -147,7 +147,7 @@ def test_file_round_trip_and_metadata(tmp_path):
 
 
 def test_shipped_example_loads_and_says_it_is_an_example():
-    from controller.commands._common import example_calibration_path
+    from controller.shipped import example_calibration_path
 
     cal = load(example_calibration_path())
     assert cal.example is True
@@ -217,7 +217,7 @@ def good_json() -> dict:
 
 
 def test_schema_1_file_migrates(tmp_path):
-    from controller.commands._common import example_calibration_path
+    from controller.shipped import example_calibration_path
 
     old = json.loads(Path(example_calibration_path()).read_text())
     v1 = {
@@ -322,3 +322,45 @@ def test_bad_load_csv(tmp_path):
     p.write_text(",".join(cal_mod.LOAD_COLUMNS) + "\n1,on,4,1.5,1.0,512,256\n")
     with pytest.raises(InputError, match=r"load.csv:2: column acceptance_rate: 1.5 > 1"):
         read_load_csv(p)
+
+
+def test_prompt_attention_term_is_recovered_and_priced():
+    # A prompt's own attention costs pair_s per query-key pair (P²/2 per prompt): with chunks of
+    # several lengths the fit tells it from the per-token slope, and the model charges E[P²]/2.
+    true = LatencyModel(
+        target=StepCost(0.006, 2e-5, context_s_per_token=5e-8, seq_s=5e-6, pair_s=2e-9),
+        draft=StepCost(0.001, 3e-6, pair_s=3e-10),
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+    rows = bench_rows(true, chunk_tokens=(256, 1024, 2048, 4096), noise=0.002, seed=4)
+    cal = calibrate(rows, max_num_batched_tokens=8192)
+    assert cal.phases.target.attention_s_per_pair == pytest.approx(2e-9, rel=0.15)
+    fitted = cal.latency_model()
+    w = Workload(4000, 200, 150.0, 1000.0)
+    assert w.prompt_pairs == pytest.approx(0.5 * (4000**2 + 1000**2))
+    for sd in (False, True):
+        want = predict_point(true, 1.0, 0.7, 4, w)
+        got = predict_point(fitted, 1.0, 0.7, 4, w)
+        pick = (lambda p: p.latency_on_s) if sd else (lambda p: p.latency_off_s)
+        assert pick(got) == pytest.approx(pick(want), rel=0.03)
+
+
+def test_rows_past_the_kv_cache_are_dropped_and_noted():
+    true = LatencyModel(target=StepCost(0.006, 2e-5, context_s_per_token=5e-8), draft=StepCost(0.001, 3e-6))
+    rows = bench_rows(true, iterations=4, noise=0.0, warmup_penalty=0.0)
+    cap = 128 * 1024  # the 128 × 1024-token decode batch just fits; nothing bigger does
+    preempted = [
+        replace(r, latency_s=r.latency_s * 1.4) if r.batch_size * r.context_len > 0.98 * cap else r for r in rows
+    ]
+    kv = [cal_mod.BenchRow("kv_cache", 1, 1, float(cap), 0, 0.0, 0, g) for g in (0, 2, 4)]
+    kept, dropped = cal_mod.drop_over_kv(preempted + kv)
+    assert dropped == sum(
+        1 for r in rows if r.phase in ("target", "verify", "mixed") and r.batch_size * r.context_len > 0.98 * cap
+    )
+    assert dropped > 0 and len(kept) == len(rows) + len(kv) - dropped
+    cal = calibrate(preempted + kv, warmup=0)
+    assert any("dropped" in n for n in cal.phases.target.fit.notes)
+    assert cal.phases.target.context_s_per_token == pytest.approx(5e-8, rel=0.05)
+    # Without the cache size nothing can be judged, so nothing is dropped.
+    assert cal_mod.drop_over_kv(preempted) == (preempted, 0)

@@ -17,7 +17,7 @@ def test_services() -> None:
     # The simulator's own argument parser accepts the compose command, and it listens beyond loopback.
     import argparse
 
-    from controller.sim import serve
+    from controller.commands import simulate as serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)

@@ -37,7 +37,7 @@ def test_pipeline_predicts_the_simulated_server_within_ten_percent(tmp_path):
         rows, _ = cal_mod.read_bench_csv(bench_csv)
         phases = {r.phase for r in rows}
         assert phases == (
-            {"prefill", "target", "mixed", "kv_cache"} if gamma == 0 else {"prefill", "verify", "kv_cache"}
+            {"prefill", "target", "mixed", "kv_cache"} if gamma == 0 else {"prefill", "verify", "mixed", "kv_cache"}
         )
         assert {r.draft_length for r in rows} == {gamma}
     assert len(log) == 1 + len(BENCH.draft_lengths)

@@ -17,8 +17,9 @@ import pytest
 import requests
 from structlog.testing import capture_logs
 
+from controller.admin_api import SdConfig
 from controller.launcher.admin import AdminServer, token_matches
-from controller.launcher.profile import SdConfig, parse_profile, vllm_url
+from controller.launcher.profile import parse_profile, vllm_url
 from controller.launcher.state import load_state
 from controller.launcher.supervisor import Supervisor, SupervisorOptions, backoff_s
 from tests.support import fake_vllm_child

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
+from controller.admin_api import OFF, SdConfig
 from controller.errors import InputError
 from controller.launcher.profile import (
-    OFF,
-    SdConfig,
     build_argv,
     parse_profile,
     redact_argv,

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from controller.admin_api import OFF, SdConfig
 from controller.errors import ConfigError, InputError
-from controller.launcher.profile import OFF, SdConfig, parse_profile
+from controller.launcher.profile import parse_profile
 from controller.launcher.state import initial_config, load_state, parse_request, save_state
 
 SD = parse_profile(["vllm", "-sc", '{"method":"ngram","num_speculative_tokens":4}'])

@@ -66,13 +66,15 @@ def test_sd_closed_form_and_speedup():
 
 
 def test_sd_step_from_target_and_draft_passes():
-    # Schema 2: the SD step is a target pass over B·(γ+1) tokens + γ draft passes + the overhead.
+    # Schema 2: the SD step is a target pass over B·(γ+1) tokens, a draft pass over the same
+    # tokens (vLLM v1's proposer catches the draft up on the verified ones), γ − 1 single-token
+    # draft passes and the overhead.
     m = LatencyModel(
         target=StepCost(0.010, 0.001), draft=StepCost(0.002, 0.0001), sd_overhead_s=0.0005, max_num_seqs=BIG
     )
     n = steps(en=1.75)  # α = 0.5, γ = 2: E[N] = 1 + 0.5 + 0.25
-    tau0 = 0.010 + 0.003 + 2 * (0.002 + 0.0001) + 0.0005  # at batch 1
-    tau1 = 0.003 + 2 * 0.0001  # per further sequence
+    tau0 = 0.010 + 0.003 + (0.002 + 0.0003) + (0.002 + 0.0001) + 0.0005  # at batch 1
+    tau1 = 0.003 + 0.0003 + 0.0001  # per further sequence
     p = predict_point(m, 1.0, 0.5, 2, W)
     assert p.latency_on_s == pytest.approx(n * tau0 / (1 - n * tau1))
 

@@ -325,3 +325,109 @@ def test_pending_wins_over_a_missing_observation():
     state = on_state(pending=PendingChange(False, None, T0, "x"))
     d, _ = decide(S, state, ObservationFailure(FailureReason.UNREACHABLE), None, AUTO, T0 + 30)
     assert (d.reason, d.phase) == (Reason.PENDING, ControllerPhase.PENDING)
+
+
+# --- risk terms: startup hold, excursion filter, the restart back ------------------------------
+
+RISK = Settings(calibration_file=LEGACY_CALIBRATION, price_switches=True, switch_margin=1.0, startup_hold_s=600.0)
+
+
+def risky(speedup, **kw):
+    return dataclasses.replace(assessment(speedup, gain=1000.0, cost=10.0), excursion_filter_s=120.0, **kw)
+
+
+@pytest.mark.parametrize(
+    ("enabled", "speedup", "since", "overloaded", "reason"),
+    [
+        (True, 0.9, T0 - 60, False, Reason.STARTUP),  # SD a bit worse, not overloaded: keep the launch
+        (True, 0.0, T0 - 60, True, Reason.SPEEDUP_LOW),  # SD overloaded: clearly wrong, act
+        (False, 1.5, T0 - 60, False, Reason.STARTUP),  # enabling is never urgent
+        (True, 0.9, T0 - 601, False, Reason.SPEEDUP_LOW),  # the hold is over
+        (True, 0.9, None, False, Reason.SPEEDUP_LOW),  # no start time given: no hold
+    ],
+)
+def test_startup_hold_keeps_the_launched_state_unless_clearly_wrong(enabled, speedup, since, overloaded, reason):
+    state = (on_state if enabled else off_state)(switch_wanted_since=T0 - 3600, switch_wanted_enabled=not enabled)
+    d, _ = decide(RISK, state, obs(), risky(speedup, applied_overloaded=overloaded), AUTO, T0, started_at=since)
+    assert d.reason is reason
+    assert d.acts is (reason is not Reason.STARTUP)
+
+
+@pytest.mark.parametrize(
+    ("wanted_since", "wanted_enabled", "action", "reason"),
+    [
+        (None, None, Action.NONE, Reason.EXCURSION),  # the signal appears now
+        (T0 - 119, False, Action.NONE, Reason.EXCURSION),  # not yet a restart's length
+        (T0 - 120, False, Action.DISABLE, Reason.SPEEDUP_LOW),  # outlasted downtime + drain
+        (T0 - 3600, True, Action.NONE, Reason.EXCURSION),  # an old signal the other way does not count
+    ],
+)
+def test_excursion_filter_needs_the_signal_to_outlast_a_restart(wanted_since, wanted_enabled, action, reason):
+    state = on_state(switch_wanted_since=wanted_since, switch_wanted_enabled=wanted_enabled)
+    d, new = decide(RISK, state, obs(), risky(0.9), AUTO, T0)
+    assert (d.action, d.reason) == (action, reason)
+    assert new.switch_wanted_enabled is False
+    assert new.switch_wanted_since == (wanted_since if wanted_enabled is False else T0)
+
+
+def test_a_spike_shorter_than_a_restart_never_switches():
+    """Table over timestamps: SD loses for 100 s (one tick every 20 s), then recovers."""
+    state, actions = on_state(), []
+    for i in range(15):
+        t = T0 + 20 * i
+        speedup = 0.8 if 2 <= i < 7 else 1.5
+        d, state = decide(RISK, state, obs(t=t), risky(speedup), AUTO, t)
+        actions.append((d.action, d.reason))
+    assert all(a is Action.NONE for a, _ in actions)
+    assert (Action.NONE, Reason.EXCURSION) in actions
+    assert state.switch_wanted_since is None  # the signal ended with the spike
+
+
+def test_oscillating_signal_never_accumulates():
+    state = on_state()
+    for i in range(40):
+        t = T0 + 30 * i
+        d, state = decide(RISK, state, obs(t=t), risky(0.8 if i % 4 < 2 else 1.5), AUTO, t)
+        assert not d.acts
+
+
+def test_the_excursion_filter_never_delays_the_acceptance_floor():
+    s = RISK.model_copy(update={"acceptance_floor": 0.5, "acceptance_floor_window_s": 60.0})
+    state = on_state(low_acceptance_since=T0 - 120)
+    d, _ = decide(
+        s, state, obs(), risky(1.5, acceptance=AcceptanceEstimate(0.2, 0.2, AcceptanceSource.MEASURED, 0.0)), AUTO, T0
+    )
+    assert (d.action, d.reason) == (Action.DISABLE, Reason.ACCEPTANCE_FLOOR)
+
+
+@pytest.mark.parametrize(
+    ("gain", "cost", "back", "action", "reason"),
+    [
+        (1000.0, 10.0, 0.0, Action.ENABLE, Reason.SPEEDUP_HIGH),  # no peak ahead: the switch alone
+        (1000.0, 10.0, 500.0, Action.ENABLE, Reason.SPEEDUP_HIGH),  # pays for both restarts
+        (1000.0, 10.0, 995.0, Action.NONE, Reason.ROUND_TRIP),  # not for the way back
+        (5.0, 10.0, 0.0, Action.NONE, Reason.SWITCH_COST),  # not even for the first
+    ],
+)
+def test_enabling_pays_for_the_restart_back(gain, cost, back, action, reason):
+    state = off_state(switch_wanted_since=T0 - 3600, switch_wanted_enabled=True)
+    a = dataclasses.replace(
+        risky(1.5), projected_gain_request_s=gain, switch_cost_request_s=cost, undo_cost_request_s=back
+    )
+    d, _ = decide(RISK, state, obs(), a, AUTO, T0)
+    assert (d.action, d.reason) == (action, reason)
+
+
+def test_disabling_never_pays_for_a_way_back():
+    state = on_state(switch_wanted_since=T0 - 3600, switch_wanted_enabled=False)
+    a = dataclasses.replace(risky(0.9), undo_cost_request_s=1e9)
+    d, _ = decide(RISK, state, obs(), a, AUTO, T0)
+    assert (d.action, d.reason) == (Action.DISABLE, Reason.SPEEDUP_LOW)
+
+
+def test_the_rate_history_is_recorded_and_survives_the_state_file():
+    state = on_state()
+    for i in range(3):
+        _, state = decide(RISK, state, obs(t=T0 + 300 * i, rate=2.0 + i), risky(1.5), AUTO, T0 + 300 * i)
+    assert [r for _, r in state.rate_history] == [2.0, 3.0, 4.0]
+    assert ControllerState.from_dict(state.to_dict()) == state

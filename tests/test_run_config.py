@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from controller.cli import main
-from controller.commands._common import example_calibration_path
+from controller.shipped import example_calibration_path
 
 
 @pytest.fixture
@@ -128,3 +128,14 @@ def test_once_in_direct_mode_takes_two_scrapes_and_decides(run_once):
     assert code == 0, err
     assert any("again in 1s" in line for line in err), err
     assert "warming_up" not in run_once.out and "predicted speedup" in run_once.out, run_once.out
+
+
+def test_state_file_is_read_once_at_start(run_once, monkeypatch):
+    from controller.state_store import FileStateStore
+
+    loads = []
+    real_load = FileStateStore.load
+    monkeypatch.setattr(FileStateStore, "load", lambda self: loads.append(self.path) or real_load(self))
+    code, err = run_once()
+    assert code == 0, err
+    assert len(loads) == 1

@@ -14,16 +14,16 @@ from controller.cli import main
 from controller.errors import InputError
 from controller.observation import FailureReason, Observation, ObservationFailure
 from controller.settings import Settings
-from controller.sim import backtest
-from controller.sim.backtest import (
-    CAVEAT,
+from controller.sim.backtest import history
+from controller.sim.backtest.history import (
     RecordedPrometheus,
     parse_duration,
     parse_time,
     read_rows,
-    replay,
     steps_from_rows,
 )
+from controller.sim.backtest.replay import replay
+from controller.sim.backtest.report import CAVEAT
 from tests.support import LEGACY_CALIBRATION
 from tests.support.prometheus import free_port
 
@@ -70,15 +70,16 @@ def test_replay_disables_under_load_and_enables_after(tmp_path, model):
     steps = steps_from_rows(read_rows(write_csv(tmp_path / "h.csv", day())))
     result = replay(settings(), model, steps)
     acts = result.decisions
-    assert [(r.action, r.time_s) for r in acts] == [("disable", 3600.0), ("enable", 9000.0)]
+    # Each signal must first outlast a restart (90 s down + 30 s drain: two one-minute steps).
+    assert [(r.action, r.time_s) for r in acts] == [("disable", 3720.0), ("enable", 9120.0)]
     d, e = acts
     assert d.reason == "speedup_below_disable_threshold" and d.predicted_speedup < 1.05
     assert e.reason == "speedup_above_enable_threshold" and e.predicted_speedup > 1.2
     assert d.acceptance_source == "measured" and d.acceptance_rate == pytest.approx(0.6)
     # The replay's state follows its own decisions; the history stays what it was.
     assert all(r.recorded_enabled is True for r in result.records)
-    assert [r.controller_enabled for r in result.records[59:61]] == [True, False]
-    assert result.records[150].controller_enabled is True
+    assert [r.controller_enabled for r in result.records[61:63]] == [True, False]
+    assert result.records[152].controller_enabled is True
     assert d.switch_cost_request_s > 0 and e.switch_cost_request_s > 0
     assert result.switch_cost_request_s == pytest.approx(d.switch_cost_request_s + e.switch_cost_request_s)
 
@@ -342,7 +343,7 @@ def test_recorded_prometheus_builds_the_daemons_observations(monkeypatch):
         }
     )
     src._session = fake  # the only network access of the source
-    monkeypatch.setattr(backtest, "POINTS_PER_QUERY", 7)  # 20 steps: 3 query_range calls per query
+    monkeypatch.setattr(history, "POINTS_PER_QUERY", 7)  # 20 steps: 3 query_range calls per query
     src.fetch()
     assert len(fake.calls) == 3 * len(q)
     steps = src.steps()
@@ -376,9 +377,9 @@ def test_query_rejected_by_prometheus_is_input_error():
 
 def test_gain_ignores_unbounded_steps(tmp_path, model):
     # At 15.5 req/s SD-on is past its stability limit: the latency there is unbounded, which is
-    # counted apart, not summed.
+    # counted apart, not summed. The disable waits out the excursion filter (two steps) first.
     steps = steps_from_rows(read_rows(write_csv(tmp_path / "h.csv", [15.5] * 5)))
     result = replay(settings(), model, steps)
     assert [r.action for r in result.decisions] == ["disable"]
-    assert result.unbounded_for == 5 and math.isfinite(result.latency_gain_request_s)
+    assert result.unbounded_for == 3 and math.isfinite(result.latency_gain_request_s)
     assert result.beyond_headroom_recorded == 5

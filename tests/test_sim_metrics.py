@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
+from controller.shipped import example_calibration_path
 from controller.sim.engine import Engine
 from controller.sim.scenarios import Scenario
 

@@ -27,7 +27,8 @@ from controller.calibration import load
 from controller.cli import main
 from controller.observation import Observation
 from controller.settings import Settings
-from controller.sim.backtest import prometheus_steps, replay
+from controller.sim.backtest.history import prometheus_steps
+from controller.sim.backtest.replay import replay
 from controller.sim.engine import F_ARR, Engine
 from controller.sim.scenarios import Scenario
 from controller.sim.server import SimulatedServer

@@ -246,7 +246,7 @@ def test_length_spread_from_the_histogram_buckets():
     import numpy as np
 
     from controller.calibration import load
-    from controller.commands._common import example_calibration_path
+    from controller.shipped import example_calibration_path
     from controller.sim.engine import F_FIN, F_GEN, F_PROMPT, Engine
     from controller.sim.scenarios import Scenario
 

@@ -245,7 +245,7 @@ def test_measured_break_even_interpolates_the_first_crossing():
     # Speedup 1.1 at 2, 0.9 at 3: crosses 1 halfway. The later recovery above 1 is ignored.
     assert be.measured_rps == pytest.approx(2.5, rel=1e-12)
     assert be.predicted_rps == pytest.approx(predicted_break_even(), rel=1e-9)
-    assert 3.0 < be.predicted_rps < 3.2
+    assert 2.7 < be.predicted_rps < 2.95  # pinned: the draft's first pass covers the γ+1 verified tokens
     assert be.error == pytest.approx((be.predicted_rps - 2.5) / 2.5, rel=1e-9)
 
 
@@ -370,8 +370,8 @@ def test_cli_json_report(monkeypatch, capsys, calibration_file, load_csv):
     expected_be = break_even_rates(model, ALPHA, GAMMA, WORKLOAD, thresholds=(1.0,))[1.0].rate_rps
     assert be["predicted_rps"] == pytest.approx(expected_be, rel=1e-9)
     # Measured latencies are the predictions scaled alike, so the measured speedup is the
-    # predicted one at each rate: SD ahead at 3 req/s and behind at 4 on this calibration.
-    assert 3.0 < be["measured_rps"] < 4.0
+    # predicted one at each rate: SD ahead at 2 req/s and behind at 3 on this calibration.
+    assert 2.0 < be["measured_rps"] < 3.0
 
 
 def test_cli_plot_writes_a_png(monkeypatch, capsys, tmp_path, calibration_file, load_csv):

@@ -1,4 +1,4 @@
-"""Small helpers shared by subcommands: list parsing, the shipped example, error exits."""
+"""Small helpers shared by subcommands: list parsing, JSON numbers, error exits."""
 
 from __future__ import annotations
 
@@ -7,21 +7,8 @@ import functools
 import math
 import sys
 from collections.abc import Callable
-from importlib import resources
-from pathlib import Path
 
-from controller.errors import InputError
-
-EXAMPLE_CALIBRATION = "example"
-
-
-def example_calibration_path() -> Path:
-    return Path(str(resources.files("controller") / "data" / "example-calibration.json"))
-
-
-def calibration_path(value: str) -> Path:
-    """``example`` names the shipped example calibration; anything else is a path."""
-    return example_calibration_path() if value == EXAMPLE_CALIBRATION else Path(value)
+from controller.errors import EXIT_USAGE, InputError
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -64,6 +51,6 @@ def exits_on_input_error(run: Callable[[argparse.Namespace], int]) -> Callable[[
             return run(args)
         except InputError as exc:
             print(f"sd-controller {args.command}: error: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
 
     return wrapper

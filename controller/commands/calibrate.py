@@ -10,7 +10,7 @@ from rich.table import Table
 
 from controller import calibration as cal_mod
 from controller.commands._common import exits_on_input_error
-from controller.errors import InputError
+from controller.errors import EXIT_OK, InputError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     cal_mod.save(cal, args.output)
     print_report(cal, Console(width=max(Console().width, 130)))
     print(f"wrote {args.output}")
-    return 0
+    return EXIT_OK
 
 
 def _fmt(x: float | None, spec: str = ".4f") -> str:

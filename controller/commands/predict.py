@@ -13,8 +13,8 @@ from rich.table import Table
 
 from controller import calibration as cal_mod
 from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
-from controller.commands._common import calibration_path, exits_on_input_error, finite_or_none, float_list, int_list
-from controller.errors import InputError
+from controller.commands._common import exits_on_input_error, finite_or_none, float_list, int_list
+from controller.errors import EXIT_OK, InputError
 from controller.model import (
     DEFAULT_DRAFT_LENGTHS,
     DEFAULT_THRESHOLDS,
@@ -24,6 +24,7 @@ from controller.model import (
     break_even_rates,
     predict_point,
 )
+from controller.shipped import calibration_path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         print_tables(report, Console(width=max(Console().width, 110)))
         if args.plot:
             print(f"wrote {args.plot}")
-    return 0
+    return EXIT_OK
 
 
 def build_report(

@@ -14,19 +14,16 @@ from typing import Any
 import structlog
 
 from controller import calibration as cal_mod
-from controller.commands._common import calibration_path
-from controller.errors import ConfigError, InputError
-from controller.hooks.base import Hook
-from controller.hooks.exec import ExecHook, NoHook
-from controller.hooks.http import HttpHook, launcher_hook
+from controller.errors import EXIT_OK, EXIT_USAGE, ConfigError, InputError
+from controller.hooks.setup import build_hook
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
-from controller.model import LatencyModel, Workload, predict_point, stability_limits
-from controller.settings import HookType, Settings, load_settings
-from controller.sources.prometheus import PrometheusSource, render_queries
+from controller.model import LatencyModel, Workload, predict_point
+from controller.settings import Settings, load_settings
+from controller.shipped import calibration_path
+from controller.sources.setup import build_source
 from controller.sources.vllm_metrics import VllmMetricsSource
 from controller.state_store import FileStateStore
-from controller.tokens import read_token
 
 log = structlog.get_logger("sd_controller")
 
@@ -80,48 +77,6 @@ def check_model(model: LatencyModel, s: Settings, where: object) -> None:
         )
 
 
-def plausible_rate_limit_rps(model: LatencyModel) -> float:
-    """The highest arrival rate a source believes: no server completes requests faster than
-    with one-token prompts and one-token answers; twice that, for a calibration that is off."""
-    off, _ = stability_limits(model, 0.5, 1, Workload(prompt_tokens=1.0, gen_tokens=1.0))
-    return 2.0 * off if math.isfinite(off) and off > 0 else math.inf
-
-
-def build_source(s: Settings, model: LatencyModel | None = None):
-    bounds: dict[str, Any] = {}
-    if model is not None:
-        limit = plausible_rate_limit_rps(model)
-        bounds = {"max_num_seqs": model.max_num_seqs, "max_rate_rps": limit if math.isfinite(limit) else None}
-    if s.prometheus_url:
-        try:
-            render_queries(s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s, s.queries)
-        except ValueError as exc:
-            raise ConfigError(f"setting queries: {exc}") from exc
-        return PrometheusSource(
-            s.prometheus_url, s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s,
-            s.queries, s.prometheus_timeout_s, **bounds,
-        )  # fmt: skip
-    return VllmMetricsSource(
-        url=s.vllm_metrics_url, model_name=s.vllm_model_name, rate_window_s=s.rate_window_s,
-        acceptance_window_s=s.acceptance_window_s, long_window_s=s.long_window_s, timeout_s=s.prometheus_timeout_s,
-        **bounds,
-    )  # fmt: skip
-
-
-def build_hook(s: Settings, applied_enabled: bool | None) -> Hook:
-    if s.hook_type is HookType.NONE:
-        return NoHook()
-    if s.hook_type is HookType.EXEC:
-        return ExecHook(s.hook_exec_argv, s.hook_exec_timeout_s, initial_enabled=applied_enabled)
-    token = read_token(s.hook_token_file, s.hook_token_env, "setting hook_token_file")
-    verify: bool | str = str(s.hook_ca_bundle) if s.hook_ca_bundle else s.hook_tls_verify
-    kw = {"timeout_s": s.hook_timeout_s, "retries": s.hook_retries, "verify": verify}
-    assert s.hook_url
-    if s.hook_type is HookType.LAUNCHER:
-        return launcher_hook(s.hook_url, token, **kw)
-    return HttpHook(s.hook_url, s.hook_status_url, token, **kw)
-
-
 def build(args: argparse.Namespace, settings: Settings | None = None, clock=time.time) -> Controller:
     """Everything ``run`` needs, from args and environment; ConfigError names the setting."""
     s = settings or load_settings(args.config, **({"calibration_file": args.calibration} | _parse_sets(args.set)))
@@ -152,12 +107,13 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         settings=s,
         model=model,
         source=build_source(s, model),
-        hook=build_hook(s, state.applied_enabled),
+        hook=build_hook(s.hook, state.applied_enabled),
         clock=clock,
         state_store=store,
         dry_run=args.dry_run,
         override=override_from_file(s.override_file, s.override),
         notify=WebhookNotifier(s.webhook_url),
+        state=state,
     )
     if cal.example:  # after every check, so a config error stays the only line on stderr
         log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
@@ -171,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         controller = build(args, settings)
     except (ConfigError, InputError) as exc:
         print(f"sd-controller run: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.once:
         if isinstance(controller.source, VllmMetricsSource):
             # A rate needs two scrapes: take the first now, the tick's a rate window later.
@@ -195,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                 f" (best γ {a.best_draft_length}); break-even {a.break_even_rate_rps}; switch cost"
                 f" {a.switch_cost_request_s:.0f} req·s vs gain {a.projected_gain_request_s:.0f} req·s"
             )
-        return 0
+        return EXIT_OK
     from controller.exporter import MetricsServer
 
     try:
@@ -207,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             f"sd-controller run: error: setting exporter_port: cannot listen on {settings.exporter_host}:{settings.exporter_port}: {exc.strerror}",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -229,4 +185,4 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     log.info("stopped", ticks=ticks)
-    return 0
+    return EXIT_OK

@@ -13,7 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from controller import calibration as cal_mod
-from controller.commands._common import calibration_path, exits_on_input_error, finite_or_none
+from controller.commands._common import exits_on_input_error, finite_or_none
+from controller.errors import EXIT_OK
+from controller.shipped import calibration_path
 from controller.validation import ValidationReport, validate
 
 
@@ -189,4 +191,4 @@ def run(args: argparse.Namespace) -> int:
         print_report(report, Console(width=max(Console().width, 130)))
         if args.plot:
             print(f"wrote {args.plot}")
-    return 0
+    return EXIT_OK

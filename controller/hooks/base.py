@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Protocol
 
+from controller.admin_api import HookPhase
 
-class HookPhase(StrEnum):
-    READY = "ready"  # serving with the applied config
-    RESTARTING = "restarting"  # a change is being applied
-    STARTING = "starting"
-    FAILED = "failed"  # the last change failed (rolled back); applied is the old config
-    UNKNOWN = "unknown"  # status could not be read
+__all__ = ["ChangeRequest", "Hook", "HookError", "HookPhase", "HookStatus"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +23,9 @@ class ChangeRequest:
 
 @dataclass(frozen=True)
 class HookStatus:
+    """What the hook reports: the phase, the applied setting (None: unknown), the durations of
+    the last switches (oldest first) and the last error, safe to log."""
+
     phase: HookPhase
     applied_enabled: bool | None = None
     applied_draft_length: int | None = None
@@ -48,6 +46,26 @@ class HookError(RuntimeError):
 
 
 class Hook(Protocol):
+    """How the controller switches SD, and learns what is applied.
+
+    Implementations: :mod:`controller.hooks.http` (any HTTP endpoint, and ``sd-controller
+    launch``'s admin API), :mod:`controller.hooks.exec` (a command, and the observe-only
+    ``NoHook``); the simulator's ``SimHook`` and the backtest's replay hook.
+
+    What the controller relies on:
+
+    * ``request`` returns once the change was accepted, not applied: the controller holds a
+      pending lock until ``status`` reports ``READY`` with the requested ``applied_enabled``
+      (confirmed: the dwell starts), ``FAILED`` (backoff), or ``pending_timeout_s`` passes.
+    * ``request`` raises :class:`HookError` when refused; ``uncertain=True`` when the change may
+      have happened anyway (a timeout after sending), so the lock stays until status settles it.
+    * ``status`` is called every tick and never raises.
+    * ``restart_durations_s`` are measured switch downtimes: they replace the
+      ``restart_downtime_s`` assumption in the price of the next switch.
+    * An ``applied_enabled`` that changes without a request is adopted as an external change
+      (an operator, a redeploy) and restarts the dwell.
+    """
+
     def request(self, change: ChangeRequest) -> None:
         """Ask for a change. Returns once the hook accepted it; raises :class:`HookError`."""
 

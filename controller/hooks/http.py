@@ -15,6 +15,7 @@ import requests
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from controller import deadline
+from controller.admin_api import AdminStatus
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
 
 
@@ -43,7 +44,7 @@ def _retryable(exc: BaseException) -> bool:
 class HttpHook:
     """``request`` POSTs JSON to ``url``; ``status`` GETs ``status_url``.
 
-    The status body is the launcher's shape, ``{"phase": ..., "applied": {"enabled": ...,
+    The status body is :class:`~controller.admin_api.AdminStatus`, ``{"phase": ..., "applied": {"enabled": ...,
     "num_speculative_tokens": ...}, "restart_durations_s": [...], "last_error": ...}``; a plain
     ``{"enabled": bool}`` is read as a ready server with that state.
     """
@@ -137,31 +138,21 @@ class HttpHook:
 
 
 def parse_status(body: Any) -> HookStatus:
-    """Read the launcher's status shape (or a bare ``{"enabled": bool}``)."""
+    """Read an :class:`~controller.admin_api.AdminStatus` (or a bare ``{"enabled": bool}``, a
+    ready server with that state); ValueError when the body does not fit."""
     if not isinstance(body, dict):
         raise ValueError("status is not a JSON object")
-    if "applied" in body:
-        applied = body["applied"] or {}
-        phase = HookPhase(body.get("phase", "unknown"))
-        enabled = applied.get("enabled")
-        tokens = applied.get("num_speculative_tokens")
-    else:
-        phase = HookPhase.READY
-        enabled = body.get("enabled")
-        tokens = body.get("num_speculative_tokens")
-    if enabled is not None and not isinstance(enabled, bool):
-        raise ValueError("applied.enabled is not a boolean")
-    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool)):
-        raise ValueError("num_speculative_tokens is not an integer")
-    durations = body.get("restart_durations_s") or (
-        [body["last_restart_duration_s"]] if body.get("last_restart_duration_s") else []
-    )
+    if "applied" not in body:
+        applied = {"enabled": body.get("enabled"), "num_speculative_tokens": body.get("num_speculative_tokens")}
+        body = {**body, "phase": HookPhase.READY, "applied": applied}
+    status = AdminStatus.model_validate(body)
+    applied = status.applied
     return HookStatus(
-        phase=phase,
-        applied_enabled=enabled,
-        applied_draft_length=tokens,
-        restart_durations_s=tuple(float(d) for d in durations),
-        last_error=body.get("last_error"),
+        phase=status.phase,
+        applied_enabled=applied.enabled if applied is not None else None,
+        applied_draft_length=applied.num_speculative_tokens if applied is not None else None,
+        restart_durations_s=status.durations_s,
+        last_error=status.last_error,
     )
 
 

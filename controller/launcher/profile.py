@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.admin_api import MAX_SPEC_TOKENS, MIN_SPEC_TOKENS, OFF, SdConfig
 from controller.errors import InputError
 
 SPEC_FLAG = "--speculative-config"
@@ -21,23 +22,8 @@ SPEC_ALIASES = {
     "--spec-tokens": "num_speculative_tokens",
 }
 TOKENS_KEY = "num_speculative_tokens"
-MIN_SPEC_TOKENS, MAX_SPEC_TOKENS = 1, 64
 DEFAULT_VLLM_PORT = 8000
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
-
-
-@dataclass(frozen=True)
-class SdConfig:
-    """An SD setting: on/off and, when on, the draft length (None: whatever vLLM defaults to)."""
-
-    enabled: bool
-    num_speculative_tokens: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"enabled": self.enabled, "num_speculative_tokens": self.num_speculative_tokens}
-
-
-OFF = SdConfig(enabled=False, num_speculative_tokens=None)
 
 
 @dataclass(frozen=True)

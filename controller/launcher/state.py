@@ -16,16 +16,10 @@ from typing import Any
 
 import structlog
 
+from controller.admin_api import MAX_SPEC_TOKENS, MIN_SPEC_TOKENS, OFF, SdConfig
 from controller.atomic import write_json_atomic
 from controller.errors import ConfigError, InputError
-from controller.launcher.profile import (
-    MAX_SPEC_TOKENS,
-    MIN_SPEC_TOKENS,
-    OFF,
-    Profile,
-    SdConfig,
-    resolve_config,
-)
+from controller.launcher.profile import Profile, resolve_config
 
 log = structlog.get_logger("controller.launcher.state")
 

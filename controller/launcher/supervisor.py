@@ -20,17 +20,17 @@ from typing import Any
 
 import structlog
 
+from controller.admin_api import BUSY_PHASES, MAX_RESTART_DURATIONS, HookPhase, SdConfig, admin_status
+from controller.errors import EXIT_RUNTIME
 from controller.launcher.child import NotReady, VllmChild, exit_status
-from controller.launcher.profile import Profile, SdConfig, build_argv, resolve_config
+from controller.launcher.profile import Profile, build_argv, resolve_config
 from controller.launcher.state import SwitchRequest, save_state
 
 log = structlog.get_logger("controller.launcher.supervisor")
 
-STARTING, READY, RESTARTING, FAILED = "starting", "ready", "restarting", "failed"
-BUSY_PHASES = (STARTING, RESTARTING)
-MAX_DURATIONS = 20
+STARTING, READY, RESTARTING, FAILED = HookPhase.STARTING, HookPhase.READY, HookPhase.RESTARTING, HookPhase.FAILED
 LOOP_POLL_S = 0.2
-EXIT_GAVE_UP = 1
+EXIT_GAVE_UP = EXIT_RUNTIME
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class SupervisorOptions:
 class Busy(Exception):
     """A switch or start is in flight; ``phase`` says which."""
 
-    def __init__(self, phase: str) -> None:
+    def __init__(self, phase: HookPhase) -> None:
         super().__init__(f"a restart is in progress (phase {phase})")
         self.phase = phase
 
@@ -96,7 +96,7 @@ class Supervisor:
         self._pending: SdConfig | None = None
         self._child: VllmChild | None = None
         self._restart_count = 0
-        self._durations: deque[float] = deque(maxlen=MAX_DURATIONS)
+        self._durations: deque[float] = deque(maxlen=MAX_RESTART_DURATIONS)
         self._last_error: str | None = None
         self._crash_attempts = 0
         self._ready_since: float | None = None
@@ -105,24 +105,22 @@ class Supervisor:
     # ---- called from HTTP handlers -------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The /admin/status document (exact keys; see docs/launcher.md)."""
+        """The /admin/status document (:class:`controller.admin_api.AdminStatus`)."""
         with self._lock:
             return self._snapshot_locked()
 
     def _snapshot_locked(self) -> dict[str, Any]:
         child = self._child
-        durations = list(self._durations)
-        return {
-            "phase": self._phase,
-            "applied": self._applied.to_json(),
-            "desired": self._desired.to_json(),
-            "restart_count": self._restart_count,
-            "last_restart_duration_s": durations[-1] if durations else None,
-            "restart_durations_s": durations,
-            "child_pid": child.pid if child is not None and child.poll() is None else None,
-            "last_error": self._last_error,
-            "vllm_url": self.options.vllm_url,
-        }
+        return admin_status(
+            phase=self._phase,
+            applied=self._applied,
+            desired=self._desired,
+            restart_count=self._restart_count,
+            durations_s=list(self._durations),
+            child_pid=child.pid if child is not None and child.poll() is None else None,
+            last_error=self._last_error,
+            vllm_url=self.options.vllm_url,
+        )
 
     def request_switch(self, request: SwitchRequest) -> SwitchOutcome:
         """Queue a switch. Raises InputError (bad for this command line) or Busy.
@@ -186,7 +184,11 @@ class Supervisor:
                 self._stop_child()
 
     def _start(
-        self, config: SdConfig, phase: str, ready_phase: str = READY, switch_started: float | None = None
+        self,
+        config: SdConfig,
+        phase: HookPhase,
+        ready_phase: HookPhase = READY,
+        switch_started: float | None = None,
     ) -> bool:
         """Start a child for ``config`` and wait until it serves; False (error kept) if not.
 

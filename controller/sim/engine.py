@@ -40,6 +40,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import requests
 
+from controller.admin_api import MAX_RESTART_DURATIONS, SdConfig, admin_status
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
 from controller.model import LatencyModel, StepCost
 from controller.sim import vllm_exposition as vx
@@ -67,12 +68,6 @@ class Phase(StrEnum):
 
 class SimulatorDown(requests.ConnectionError):
     """/metrics is unreachable: the simulated vLLM is restarting."""
-
-
-@dataclass(frozen=True)
-class SdConfig:
-    enabled: bool
-    draft_length: int
 
 
 def tokens_per_step_moments(alpha: np.ndarray, gamma: int) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +130,7 @@ class CalibratedCosts:
     def decode_step_s(self, batch: float, ctx_tokens: float, sd: SdConfig) -> tuple[float, float]:
         c = self._c
         if sd.enabled:
-            g = sd.draft_length
+            g = sd.num_speculative_tokens
             x = batch * (g + 1)
             whole = c["verify"] or c["target"]
             t = (
@@ -224,7 +219,7 @@ class _Counters:
         self.drafts = 0.0
         self.draft_tokens = 0.0
         self.accepted = 0.0
-        self.per_pos = np.zeros(sd.draft_length if sd.enabled else 0)
+        self.per_pos = np.zeros(sd.num_speculative_tokens if sd.enabled else 0)
 
 
 @dataclass(frozen=True)
@@ -382,7 +377,7 @@ class Engine:
         rows[:, Q_GEN] = a.gen[lo:hi]
         rows[:, Q_ALPHA] = a.alpha[lo:hi]
         # Tokens per verify step at the draft length the request will most likely be served with.
-        gamma = self.desired.draft_length
+        gamma = self.desired.num_speculative_tokens
         if self._block_gamma != gamma:
             self._block_moments = tokens_per_step_moments(a.alpha, gamma)
             self._block_gamma = gamma
@@ -415,7 +410,7 @@ class Engine:
         new[:, DONE] = 0.0
         new[:, ALPHA] = q[:, Q_ALPHA]
         if self.applied.enabled:
-            gamma = self.applied.draft_length
+            gamma = self.applied.num_speculative_tokens
             if np.all(q[:, Q_GAMMA] == gamma):
                 new[:, EN] = q[:, Q_EN]
                 new[:, SDEV] = q[:, Q_SDEV]
@@ -433,7 +428,7 @@ class Engine:
             raise HookError(f"a restart is in progress (phase {self.phase.value})")
         target = SdConfig(enabled, int(draft_length or self.spec.draft_length))
         cur = self.applied
-        if enabled == cur.enabled and (not enabled or target.draft_length == cur.draft_length):
+        if enabled == cur.enabled and (not enabled or target.num_speculative_tokens == cur.num_speculative_tokens):
             return False
         self.desired = target
         self.phase = Phase.DRAINING
@@ -578,7 +573,7 @@ class Engine:
         if sd.enabled:
             mean = d * run[:, EN]
             tok = mean + self._rng.standard_normal(b) * np.sqrt(d) * run[:, SDEV]
-            tok = np.minimum(np.maximum(tok, d), d * (sd.draft_length + 1))
+            tok = np.minimum(np.maximum(tok, d), d * (sd.num_speculative_tokens + 1))
         else:
             tok = d
         fin = (d > 0) & (tok >= need) | (need <= 0) & (run[:, PF] <= 0)
@@ -589,7 +584,7 @@ class Engine:
         c.gen_tokens += float(made.sum())
         c.h_itl.observe_n(tau, total_steps)
         if sd.enabled and total_steps > 0:
-            g = sd.draft_length
+            g = sd.num_speculative_tokens
             accepted = float(made.sum()) - total_steps
             c.drafts += total_steps
             c.draft_tokens += g * total_steps
@@ -721,22 +716,21 @@ class Engine:
     # ---------------------------------------------------------------------------- admin view
     def admin_status(self, vllm_url: str = "") -> dict:
         """The launcher's /admin/status document for this engine."""
-        durations = [round(d, 3) for d in self.restart_durations_s[-20:]]
+        durations = [round(d, 3) for d in self.restart_durations_s[-MAX_RESTART_DURATIONS:]]
 
-        def cfg(s: SdConfig) -> dict:
-            return {"enabled": s.enabled, "num_speculative_tokens": s.draft_length if s.enabled else None}
+        def served(s: SdConfig) -> SdConfig:  # the engine keeps its draft length while SD is off
+            return SdConfig(s.enabled, s.num_speculative_tokens if s.enabled else None)
 
-        return {
-            "phase": "ready" if self.phase is Phase.READY else "restarting",
-            "applied": cfg(self.applied),
-            "desired": cfg(self.desired),
-            "restart_count": self.restart_count,
-            "last_restart_duration_s": durations[-1] if durations else None,
-            "restart_durations_s": durations,
-            "child_pid": None,
-            "last_error": None,
-            "vllm_url": vllm_url,
-        }
+        return admin_status(
+            phase=HookPhase.READY if self.phase is Phase.READY else HookPhase.RESTARTING,
+            applied=served(self.applied),
+            desired=served(self.desired),
+            restart_count=self.restart_count,
+            durations_s=durations,
+            child_pid=None,
+            last_error=None,
+            vllm_url=vllm_url,
+        )
 
 
 class SimHook:
@@ -755,6 +749,6 @@ class SimHook:
         return HookStatus(
             phase=HookPhase.READY if e.phase is Phase.READY else HookPhase.RESTARTING,
             applied_enabled=e.applied.enabled,
-            applied_draft_length=e.applied.draft_length if e.applied.enabled else None,
-            restart_durations_s=tuple(e.restart_durations_s[-20:]),
+            applied_draft_length=e.applied.num_speculative_tokens if e.applied.enabled else None,
+            restart_durations_s=tuple(e.restart_durations_s[-MAX_RESTART_DURATIONS:]),
         )

@@ -100,7 +100,8 @@ def _drive(
 
 def default_settings(**overrides):
     """Controller settings for simulations: the daemon's defaults, no hook URL, no env."""
-    from controller.settings import HookType, Settings
+    from controller.hooks.setup import HookType
+    from controller.settings import Settings
 
     values = {"hook_type": HookType.NONE, "hook_url": None, "state_file": "/nonexistent/sim-state.json"}
     values.update(overrides)

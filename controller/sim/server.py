@@ -14,6 +14,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from controller.admin_api import HookPhase
 from controller.hooks.base import HookError
 from controller.httpserver import BackgroundHTTPServer
 from controller.launcher.admin import AdminServer
@@ -40,7 +41,7 @@ class SimSupervisor:
             try:
                 changed = self.engine.request_restart(request.enabled, request.num_speculative_tokens)
             except HookError:
-                raise Busy("restarting") from None
+                raise Busy(HookPhase.RESTARTING) from None
             return SwitchOutcome(changed, self.engine.admin_status(self.vllm_url))
 
 

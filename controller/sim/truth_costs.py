@@ -89,7 +89,7 @@ class TruthCosts:
 
     @staticmethod
     def _gamma(sd) -> int:
-        return int(sd.draft_length) if sd.enabled else 0
+        return int(sd.num_speculative_tokens) if sd.enabled else 0
 
     def _step_uncached(self, gamma: int, batch: int, ctx_key: int, chunk: int, prompt_key: int) -> float:
         """Noise-free seconds of one step: ``batch`` decoding sequences (context ``ctx_key`` each)

@@ -14,9 +14,10 @@ import sys
 import threading
 import time
 
-from controller.commands._common import EXAMPLE_CALIBRATION, calibration_path, exits_on_input_error
-from controller.errors import ConfigError
-from controller.launcher.cli import TOKEN_ENV, _read_token
+from controller.commands._common import exits_on_input_error
+from controller.errors import EXIT_OK, ConfigError
+from controller.shipped import EXAMPLE_CALIBRATION, calibration_path
+from controller.tokens import ADMIN_TOKEN_ENV, read_admin_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", default="sim", help="model_name label on the metrics (default sim)")
     parser.add_argument("--restart-s", type=float, default=None, help="override the restart downtime, seconds")
     parser.add_argument(
-        "--admin-token-file", default=None, help=f"file holding the admin bearer token (else env {TOKEN_ENV})"
+        "--admin-token-file", default=None, help=f"file holding the admin bearer token (else env {ADMIN_TOKEN_ENV})"
     )
     parser.add_argument(
         "--insecure-no-token", action="store_true", help="serve the admin API without a token (loopback only)"
@@ -59,7 +60,7 @@ def build(args: argparse.Namespace):
             raise ConfigError("--restart-s must be >= 0")
         scenario = scenario.with_changes(engine={"restart_downtime_s": args.restart_s, "restart_jitter_s": 0.0})
     model = calibration.load(calibration_path(args.calibration)).latency_model()
-    token = _read_token(args)
+    token = read_admin_token(args.admin_token_file, args.insecure_no_token)
     engine = Engine(scenario, model, epoch_s=_time.time(), model_name=args.model_name, trace_speed=args.speed)
     try:
         return SimulatedServer(engine, port=args.port, admin_port=args.admin_port, token=token, host=args.host)
@@ -92,4 +93,4 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()
         signal.signal(signal.SIGTERM, previous)
-    return 0
+    return EXIT_OK

@@ -12,18 +12,15 @@ from pathlib import Path
 
 import structlog
 
-from controller.errors import ConfigError, InputError
+from controller.errors import EXIT_RUNTIME, EXIT_USAGE, ConfigError, InputError
 from controller.launcher.admin import AdminServer
 from controller.launcher.profile import parse_profile, shutdown_timeout_s, vllm_url
 from controller.launcher.state import INITIAL_STATES, initial_config, load_state
 from controller.launcher.supervisor import Supervisor, SupervisorOptions
 from controller.logs import configure as configure_logs
-from controller.tokens import read_token
+from controller.tokens import ADMIN_TOKEN_ENV, read_admin_token
 
-log = structlog.get_logger("controller.launcher.cli")
-
-TOKEN_ENV = "SD_LAUNCHER_ADMIN_TOKEN"
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+log = structlog.get_logger("controller.commands.launch")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-port", type=int, default=8091, help="admin API port (default 8091; 0 = any)")
     parser.add_argument(
         "--admin-token-file",
-        help=f"file holding the admin bearer token (else env {TOKEN_ENV})",
+        help=f"file holding the admin bearer token (else env {ADMIN_TOKEN_ENV})",
     )
     parser.add_argument(
         "--insecure-no-token",
@@ -83,13 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _read_token(args: argparse.Namespace) -> str | None:
-    token = read_token(args.admin_token_file, TOKEN_ENV, f"--admin-token-file {args.admin_token_file}")
-    if token is None and not args.insecure_no_token:
-        raise ConfigError(f"no admin token: set {TOKEN_ENV} or --admin-token-file (or --insecure-no-token)")
-    return token
-
-
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -118,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logs(level=args.log_level)
     try:
         vllm_argv = _check_args(args)
-        token = _read_token(args)
+        token = read_admin_token(args.admin_token_file, args.insecure_no_token)
         profile = parse_profile(vllm_argv)
         url = args.vllm_url.rstrip("/") if args.vllm_url else vllm_url(profile.base_argv)
         grace_s = shutdown_timeout_s(profile.base_argv)

@@ -18,9 +18,8 @@ from controller.benchmark.csvio import bench_csv, load_csv, write_text_atomic
 from controller.benchmark.loadtest import MAX_DURATION_S, MAX_REQUESTS, LoadPlan, lognormal_workload, run_load
 from controller.benchmark.micro import DEFAULT_CHUNK_TOKENS, PHASES, MicroPlan, run_micro
 from controller.benchmark.probe import ProbeError
-from controller.errors import InputError
+from controller.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, InputError
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 

@@ -1,0 +1,265 @@
+"""Typed settings groups, one per concern, and what the pure core is given.
+
+Each group is a frozen pydantic model with a description per field (the README's settings
+tables are generated from them). Here: decision, pricing, exporter and files; the sources'
+group lives with the sources (:mod:`controller.sources.setup`), the hook's with the hooks
+(:mod:`controller.hooks.setup`). :class:`controller.settings.Settings` composes all six and
+reads them from the environment (``SD_CONTROLLER_<NAME>``, names unchanged by the grouping)
+or a file; nothing here reads an environment variable, a file or a clock.
+
+:class:`PolicyConfig` is the part the decision core (``policy.py``, ``assessment.py``) sees:
+the decision and pricing groups plus the rate window the trend is measured over.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Self
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from controller.admin_api import MAX_SPEC_TOKENS
+
+MAX_DRAFT_LENGTH = MAX_SPEC_TOKENS  # what the launcher accepts; draft_length has the same bound
+
+
+class OverrideMode(StrEnum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+def http_url(v: str | None) -> str | None:
+    """An http(s) URL with a host and a valid port (a bare one without its trailing slash);
+    empty is None. ValueError says what is wrong."""
+    if v is None or v == "":
+        return None
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http(s) URL with a host")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError("has an invalid port (must be 1..65535)")
+    return v.rstrip("/") if parts.path in ("", "/") else v
+
+
+# allow_inf_nan=False: evaluation_interval_s=inf (or a NaN threshold) is a typo, not a setting.
+GROUP_CONFIG = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
+
+
+class DecisionSettings(BaseModel):
+    """When to switch: the tick, the thresholds, the dwell, failures, acceptance, draft length and
+    the operator's override."""
+
+    model_config = GROUP_CONFIG
+
+    evaluation_interval_s: float = Field(
+        60.0, gt=0, description="Seconds between ticks (observe, predict, decide, act)."
+    )
+    enable_threshold: float = Field(1.2, gt=0, description="Enable SD when the predicted speedup is above this.")
+    enable_on_pessimistic_speedup: bool = Field(
+        True,
+        description="Enable SD only when the pessimistic end of the prediction interval (step costs off by the calibration's residual error) clears enable_threshold.",
+    )
+    disable_threshold: float = Field(1.05, gt=0, description="Disable SD when the predicted speedup is below this.")
+    dwell_s: float = Field(300.0, ge=0, description="Minimum seconds between two applied changes.")
+    pending_timeout_s: float = Field(
+        600.0, gt=0, description="A change not confirmed by the hook within this many seconds is marked failed."
+    )
+    failure_backoff_s: float = Field(
+        300.0, gt=0, description="Wait after a failed change before trying again; doubles per consecutive failure."
+    )
+    failure_backoff_max_s: float = Field(3600.0, gt=0, description="Upper bound of the failure backoff.")
+    acceptance_floor: float = Field(
+        0.4,
+        ge=0,
+        le=1,
+        description="Rolling acceptance below this for acceptance_floor_window_s disables SD whatever the model says.",
+    )
+    acceptance_floor_window_s: float = Field(600.0, gt=0, description="How long acceptance must stay below the floor.")
+    acceptance_prior: float = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="vLLM-style acceptance rate assumed when none was ever measured or the last one is too old.",
+    )
+    acceptance_max_age_s: float = Field(
+        21600.0, gt=0, description="A measured acceptance older than this (SD off for long) is replaced by the prior."
+    )
+    max_observation_age_s: float = Field(
+        180.0, gt=0, description="Observations whose newest sample is older than this are stale: hold."
+    )
+    draft_length: int = Field(
+        4,
+        ge=1,
+        le=MAX_DRAFT_LENGTH,
+        description="num_speculative_tokens used when SD is enabled (and assumed for the running config if the hook does not report it).",
+    )
+    adapt_draft_length: bool = Field(
+        False, description="When enabling SD, request the model's best draft length instead of draft_length."
+    )
+    draft_length_candidates: list[int] = Field(
+        default_factory=lambda: list(range(1, 17)), description="Draft lengths searched for the best one."
+    )
+    default_prompt_tokens: float = Field(512.0, gt=0, description="Mean prompt length assumed until one is measured.")
+    default_gen_tokens: float = Field(256.0, gt=0, description="Mean generated length assumed until one is measured.")
+    override: OverrideMode = Field(
+        OverrideMode.AUTO,
+        description="auto: the controller decides; on/off: force SD through the hook (the pending lock still holds).",
+    )
+
+    @field_validator("draft_length_candidates")
+    @classmethod
+    def _candidates(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 1 or max(v) > MAX_DRAFT_LENGTH:
+            raise ValueError(
+                f"must be a non-empty list of integers in 1..{MAX_DRAFT_LENGTH} (what the launcher accepts)"
+            )
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _decision_consistent(self) -> Self:
+        if self.enable_threshold <= self.disable_threshold:
+            raise ValueError(
+                f"enable_threshold ({self.enable_threshold}) must be greater than disable_threshold ({self.disable_threshold})"
+            )
+        if self.failure_backoff_max_s < self.failure_backoff_s:
+            raise ValueError("failure_backoff_max_s must be >= failure_backoff_s")
+        return self
+
+
+class PricingSettings(BaseModel):
+    """What a switch costs (a restart's downtime, replicas) against what it gains (the projected
+    load's latency until the load would undo it)."""
+
+    model_config = GROUP_CONFIG
+
+    price_switches: bool = Field(
+        True, description="Weigh each switch's projected gain against its restart cost (otherwise thresholds only)."
+    )
+    restart_downtime_s: float = Field(
+        90.0, gt=0, description="Assumed restart downtime until the hook reports measured ones."
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Replicas behind the router: 1 means a restart is an outage; N > 1 a capacity dip of one replica.",
+    )
+    gain_horizon_max_s: float = Field(
+        14400.0,
+        gt=0,
+        description="A switch's gain is integrated until the projected load would undo it (by the trend), at least the dwell and at most this.",
+    )
+    switch_margin: float = Field(
+        1.5, ge=1, description="Switch only when projected gain exceeds the switch cost times this."
+    )
+    capacity_headroom: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="A state run above this fraction of its stability limit counts as overloaded when pricing (the model is a fluid one: real queues blow up before the limit).",
+    )
+    long_window_s: float = Field(
+        900.0, gt=0, description="Long rate window used with the short one to project the load trend."
+    )
+    congestion_margin: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="After SD was seen congested (full batch and a queue) at some rate, it is treated as overloaded above this fraction of that rate, for congestion_memory_s.",
+    )
+    congestion_memory_s: float = Field(21600.0, gt=0, description="How long a seen SD congestion is remembered.")
+    trend_lookahead_s: float = Field(
+        900.0, ge=0, description="How far ahead a rising load trend is projected when deciding (at least the dwell)."
+    )
+    excursion_filter_s: float | None = Field(
+        None,
+        ge=0,
+        description="A switch signal must persist this long before it acts: a load excursion shorter than a restart is over before the switch could help. Unset: the restart downtime estimate plus restart_drain_s.",
+    )
+    restart_drain_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a restart drains in-flight requests before vLLM goes down (added to the downtime for the excursion filter).",
+    )
+    startup_hold_s: float = Field(
+        600.0,
+        ge=0,
+        description="After the controller starts, keep the state vLLM was launched with this long unless it is clearly wrong (predicted overloaded, or congested).",
+    )
+    expected_peak_rps: float | None = Field(
+        None,
+        gt=0,
+        description="Peak arrival rate the next hours may bring (operator's knowledge). Enabling SD must then also pay for the restart back when the load climbs past SD's break-even; the controller's own rate history (the same hours yesterday and a week ago) counts as well.",
+    )
+
+
+class ExporterSettings(BaseModel):
+    """What the controller reports: its /metrics and /healthz, webhook notices, logs."""
+
+    model_config = GROUP_CONFIG
+
+    exporter_host: str = Field(
+        "127.0.0.1",
+        description="Address of the controller's /metrics and /healthz (loopback by default; 0.0.0.0 for a scraper in another network namespace).",
+    )
+    exporter_port: int = Field(
+        9464, ge=0, le=65535, description="Port of the controller's /metrics and /healthz (0 = pick one)."
+    )
+    webhook_url: str | None = Field(
+        None, description="POSTed a JSON notice on acceptance-floor trips and failed changes."
+    )
+    log_format: str = Field("auto", description="auto (JSON lines unless on a TTY), json or console.")
+    log_level: str = Field("info", description="debug, info, warning or error.")
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_url(cls, v: str | None) -> str | None:
+        return http_url(v)
+
+    @field_validator("log_format")
+    @classmethod
+    def _log_format(cls, v: str) -> str:
+        if v not in ("auto", "json", "console"):
+            raise ValueError("must be auto, json or console")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        if v.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError("must be debug, info, warning or error")
+        return v.lower()
+
+
+class FileSettings(BaseModel):
+    """The files it reads and writes: the calibration, the state file, the override file."""
+
+    model_config = GROUP_CONFIG
+
+    calibration_file: str = Field(
+        "",
+        description="Calibration JSON (sd-controller calibrate); 'example' for the shipped example (not for production).",
+    )
+    max_num_seqs: int | None = Field(None, ge=1, description="Override the calibration's max_num_seqs.")
+    state_file: Path = Field(
+        Path("sd-controller-state.json"),
+        description="Where the dwell clock, pending change and last acceptance survive restarts.",
+    )
+    override_file: Path | None = Field(
+        None, description="File whose content (auto|on|off) overrides `override`; read every tick."
+    )
+
+
+class PolicyConfig(DecisionSettings, PricingSettings):
+    """What the pure decision core is given (``Settings.policy``): the decision and pricing
+    groups, and the short rate window that, with ``long_window_s``, measures the load trend."""
+
+    model_config = GROUP_CONFIG
+
+    rate_window_s: float = Field(60.0, gt=0, description="The sources' arrival-rate window (see rate_window_s).")

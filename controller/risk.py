@@ -1,0 +1,114 @@
+"""The risk terms of a decision: excursion filter, load history and its forecast, startup hold.
+
+Pure functions over plain values and timestamps (no clock is read here), small enough to be
+table-tested one by one, the way the Kubernetes HPA tests its stabilization windows:
+
+* **Excursion filter.** A restart takes ``downtime + drain`` seconds before the new state
+  serves anything; a load excursion shorter than that is over before a switch could help, and
+  the switch's outage lands on top of it. So a switch signal must persist that long first
+  (:func:`persisted_since`, :func:`excursion_filter_s`).
+* **Load history.** The controller keeps its own bucketed history of the arrival rate (the
+  state file carries it across restarts), so that "what the next hours plausibly bring" can be
+  read off the same hours of yesterday and of a week ago (:func:`record_rate`,
+  :func:`forecast_peak`, :func:`forecast_time_to`): a diurnal day repeats, a trend from two
+  windows does not see tomorrow morning.
+* **Startup hold.** A controller that just started has no trend and no history of its own: it
+  keeps the state vLLM was launched with unless that state is clearly wrong now.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+DAY_S = 86_400.0
+# Days whose same hours forecast the next ones: yesterday and the same weekday last week.
+FORECAST_LAGS_S = (DAY_S, 7 * DAY_S)
+
+RateHistory = tuple[tuple[float, float], ...]  # (bucket start, highest rate seen in it), ascending
+
+
+def excursion_filter_s(downtime_s: float, drain_s: float, configured_s: float | None) -> float:
+    """How long a switch signal must persist: the configured value, else restart downtime + drain."""
+    if configured_s is not None:
+        return max(configured_s, 0.0)
+    return max(downtime_s, 0.0) + max(drain_s, 0.0)
+
+
+def persisted_since(
+    since: float | None, since_enabled: bool | None, want_enabled: bool | None, now: float
+) -> tuple[float | None, bool | None]:
+    """When the current switch signal started: ``(since, direction)``.
+
+    ``want_enabled`` is the state the signal asks for (None: no signal this tick). A signal that
+    disappears or changes direction starts over: an oscillating load never accumulates time.
+    """
+    if want_enabled is None:
+        return None, None
+    if since is not None and since_enabled == want_enabled and since <= now:
+        return since, want_enabled
+    return now, want_enabled
+
+
+def record_rate(history: RateHistory, now: float, rate_rps: float, bucket_s: float, keep_s: float) -> RateHistory:
+    """Add one rate sample: each bucket keeps the highest rate seen in it; old buckets drop off.
+
+    Bounded: at most ``keep_s / bucket_s + 1`` buckets. A sample older than the newest bucket
+    (a clock stepped back) is ignored rather than rewriting history.
+    """
+    if not (math.isfinite(rate_rps) and rate_rps >= 0.0 and bucket_s > 0):
+        return history
+    start = math.floor(now / bucket_s) * bucket_s
+    items = list(history)
+    if items and start < items[-1][0]:
+        return history
+    if items and items[-1][0] == start:
+        items[-1] = (start, max(items[-1][1], rate_rps))
+    else:
+        items.append((start, rate_rps))
+    cutoff = now - keep_s
+    first = next((i for i, (t, _) in enumerate(items) if t >= cutoff), len(items))
+    return tuple(items[first:])
+
+
+def _window(history: RateHistory, lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(t, r) for t, r in history if lo <= t < hi]
+
+
+def forecast_peak(
+    history: RateHistory, now: float, horizon_s: float, lags_s: Sequence[float] = FORECAST_LAGS_S
+) -> float | None:
+    """Highest rate seen in the same ``horizon_s`` after this time of day on earlier days.
+
+    None when the history covers none of those windows (a controller younger than a day).
+    """
+    peaks = [r for lag in lags_s for _, r in _window(history, now - lag, now - lag + horizon_s)]
+    return max(peaks) if peaks else None
+
+
+def forecast_time_to(
+    history: RateHistory,
+    now: float,
+    horizon_s: float,
+    rate_rps: float,
+    lags_s: Sequence[float] = FORECAST_LAGS_S,
+) -> float | None:
+    """Seconds until the load is expected to reach ``rate_rps``, by the earliest earlier day
+    on which it did within ``horizon_s`` of this time of day; None if none did (or no history)."""
+    times = []
+    for lag in lags_s:
+        hit = next((t for t, r in _window(history, now - lag, now - lag + horizon_s) if r >= rate_rps), None)
+        if hit is not None:
+            times.append(max(hit - (now - lag), 0.0))
+    return min(times) if times else None
+
+
+def expected_peak(forecast_rps: float | None, configured_rps: float | None) -> float | None:
+    """The peak to leave headroom for: the larger of the history's forecast and the operator's."""
+    values = [v for v in (forecast_rps, configured_rps) if v is not None]
+    return max(values) if values else None
+
+
+def in_startup_hold(now: float, started_at: float | None, hold_s: float) -> bool:
+    """Whether the controller is still in its first ``hold_s`` after start."""
+    return started_at is not None and 0.0 <= now - started_at < hold_s
