@@ -1,93 +1,98 @@
-"""Decision quality: the controller against static choices and a hindsight oracle.
+"""Decision quality against an independent truth: the controller vs a start-aware oracle.
 
-For each built-in benchmark scenario it runs, on the same arrivals (same seed):
-always-on, always-off, a static threshold on running requests, the real controller (with the
-switch-cost gate on and off: Settings.price_switches) and the hindsight oracle (best state per
-minute with switching costs, replayed through the simulator). Prints a markdown table of mean
-and p99 latency relative to the oracle, and toggles.
+The simulated vLLM runs on the GPU roofline (controller/sim/truth_costs.py: H100, Llama-3.1-8B
+with a Llama-3.2-1B draft), never on the controller's model. The controller's calibration comes
+from bench → calibrate against that simulated server (cached in the output directory;
+``--recalibrate`` measures again). Each scenario (controller/data/scenarios/decisions/) runs
+always-on, always-off, and from both launch states the real controller and the hindsight
+oracle given that start state. Prints markdown tables and writes decisions.json and
+decisions.md to ``--out``.
 
-    python bench/bench_decisions.py [--scenarios diurnal,spike] [--calibration example]
+    python bench/bench_decisions.py [--quick] [--scenarios a,b] [--out bench-out/decisions] [--jobs 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import sys
 import time
+from pathlib import Path
 
 import structlog
 
-from controller import calibration
-from controller.model import Workload, predict_point
-from controller.shipped import calibration_path
-from controller.sim import runner, scenarios
-from controller.sim.oracle import run_oracle
-from controller.sim.workload import mean_lengths
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
 
-SCENARIOS = (
-    "diurnal", "step-up", "step-down", "spike", "acceptance-drift",
-    "oscillating", "long-context", "always-low", "always-overloaded",
-)  # fmt: skip
-WARMUP_S = 300.0
+from controller.sim import decisions  # noqa: E402
 
 
-def threshold_for(model, sc) -> float:
-    """Running requests (SD off) at the model's break-even rate: the rule an operator would
-    derive by hand."""
-    from controller.model import break_even_rates
-
-    p, g = mean_lengths(list(sc.classes))
-    be = break_even_rates(model, 0.8, sc.engine.draft_length, Workload(p, g))[1.0].rate_rps
-    if be is None:
-        return float(model.max_num_seqs)
-    return predict_point(model, be, 0.8, sc.engine.draft_length, Workload(p, g)).batch_off
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--calibration", default="example")
-    args = ap.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    model = calibration.load(calibration_path(args.calibration)).latency_model()
-    settings_fields = type(runner.default_settings()).model_fields
-    variants = [("controller", {})]
-    if "price_switches" in settings_fields:
-        variants.append(("controller, no switch pricing", {"price_switches": False}))
-    rows = []
-    started = time.perf_counter()
-    for name in args.scenarios.split(","):
-        sc = scenarios.load(name)
-        t0 = time.perf_counter()
-        on = runner.run_static(sc, model, True, warmup_s=WARMUP_S)
-        off = runner.run_static(sc, model, False, warmup_s=WARMUP_S)
-        oracle = run_oracle(sc, model, on, off)
-        oracle.warmup_s = WARMUP_S
-        thr = threshold_for(model, sc)
-        results = {
-            "oracle": oracle,
-            "always-on": on,
-            "always-off": off,
-            f"threshold (running<{thr:.0f})": runner.run_threshold(sc, model, thr, warmup_s=WARMUP_S),
-        }
-        for label, overrides in variants:
-            results[label] = runner.run_controller(sc, model, runner.default_settings(**overrides), warmup_s=WARMUP_S)
-        ref = oracle.summary()
-        for label, r in results.items():
-            s = r.summary()
-            rows.append((name, label, s["mean_latency_s"], s["mean_latency_s"] / ref["mean_latency_s"],
-                         s["p99_latency_s"], s["p99_latency_s"] / ref["p99_latency_s"], int(s["toggles"]), int(s["lost"])))  # fmt: skip
-        print(f"# {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    print()
-    print("| scenario | policy | mean latency s | ÷ oracle | p99 s | ÷ oracle | toggles | lost |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for name, label, mean, rm, p99, rp, toggles, lost in rows:
-        print(f"| {name} | {label} | {mean:.2f} | {rm:.2f} | {p99:.1f} | {rp:.2f} | {toggles} | {lost} |")
-    print(
-        f"\n(total {time.perf_counter() - started:.0f} s; latency of every request after {WARMUP_S:.0f} s "
-        "warm-up, unfinished ones counted up to the end)"
+    ap.add_argument("--quick", action="store_true", help=f"smoke subset: {', '.join(decisions.QUICK)}")
+    ap.add_argument("--scenarios", default=None, help="comma-separated names or YAML paths (default: all)")
+    ap.add_argument("--out", default="bench-out/decisions", help="output directory (default bench-out/decisions)")
+    ap.add_argument("--recalibrate", action="store_true", help="measure bench → calibrate again (ignore the cache)")
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="controller setting to override (repeatable; default: the daemon's defaults)",
     )
+    args = ap.parse_args(argv)
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    category = dict(decisions.SCENARIOS)
+    if args.scenarios:
+        picked = args.scenarios.split(",")
+    elif args.quick:
+        picked = list(decisions.QUICK)
+    else:
+        picked = [n for n, _ in decisions.SCENARIOS]
+    names = [(n, category.get(Path(n).stem, decisions.FUTURE)) for n in picked]
+
+    cal, cal_path = decisions.calibrate(out, force=args.recalibrate, log=lambda m: print(m, flush=True))
+    print(
+        f"calibration: {cal_path} (bench → calibrate against the simulated truth; sha {cal.metadata.source_sha256[:12]})"
+    )
+    results = decisions.run_all(
+        names, cal_path, out, jobs=args.jobs, settings_overrides=overrides, log=lambda m: print(m, flush=True)
+    )
+    wall = time.perf_counter() - started
+
+    table = decisions.markdown(results)
+    limits = decisions.limits_markdown(results)
+    settings = ", ".join(f"{k}={v}" for k, v in overrides.items()) or "the daemon's defaults"
+    footer = (
+        f"\nController settings: {settings}. {len(results)} scenarios × 2 start states in {wall:.0f} s "
+        f"({args.jobs} processes). Mean latency of every "
+        f"request after a {decisions.WARMUP_S:.0f} s warm-up, unfinished ones counted up to the end. Oracle: the best "
+        "of the replayed DP schedules and stay/switch-at-t=0, given the same start state. 'not acting': the static "
+        "policy equal to the start state. Target: ≤ 1.10× the oracle (future follows from past) or ≤ not acting "
+        "(surprises), toggles ≤ oracle + 2.\n"
+    )
+    doc = "## Decision quality on the truth\n\n" + table + "\n### Truth limits (measured)\n\n" + limits + footer
+    print()
+    print(doc)
+    (out / "decisions.md").write_text(doc, encoding="utf-8")
+    payload = decisions.to_json(results) | {
+        "wall_s": wall,
+        "calibration": str(cal_path),
+        "jobs": args.jobs,
+        "settings_overrides": overrides,
+    }
+    (out / "decisions.json").write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    print(f"wrote {out / 'decisions.md'} and {out / 'decisions.json'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

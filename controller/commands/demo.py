@@ -4,7 +4,13 @@ always-off.
 The controller (``controller.loop.Controller``, unchanged) scrapes the simulator's /metrics
 text and toggles SD through an in-simulation hook, on a simulated clock. The two baselines run
 in worker processes meanwhile (:mod:`controller.sim.comparison`). Prints a live view, then a
-comparison table, and writes a timeline plot (PNG) and the numbers (JSON) to ``--out``.
+comparison table and a one-line verdict, and writes a timeline plot (PNG) and the numbers
+(JSON) to ``--out``.
+
+By default the simulated server is the independent truth (GPU roofline,
+:mod:`controller.sim.demo_truth`) and the controller believes a calibration measured from it by
+bench → calibrate; with ``--calibration FILE`` (or ``example``) the server runs on that
+calibration's own model.
 """
 
 from __future__ import annotations
@@ -20,11 +26,17 @@ from pathlib import Path
 from controller.commands._common import exits_on_input_error
 from controller.errors import EXIT_OK, InputError
 from controller.shipped import EXAMPLE_CALIBRATION, calibration_path
+from controller.sim.demo_truth import TRUTH
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="demo-day", help="built-in scenario name or YAML file (default demo-day)")
-    parser.add_argument("--calibration", default=EXAMPLE_CALIBRATION, help="calibration JSON, or 'example' (default)")
+    parser.add_argument(
+        "--calibration",
+        default=TRUTH,
+        help=f"'{TRUTH}' (default: server on the simulated H100 truth, controller calibrated from it by bench → "
+        f"calibrate), a calibration JSON or '{EXAMPLE_CALIBRATION}' (server on that calibration's own model)",
+    )
     parser.add_argument(
         "--out", default="sd-demo-out", help="directory for the plot and numbers (default ./sd-demo-out)"
     )
@@ -41,14 +53,18 @@ def quiet_logs() -> None:
 
 def _load(args: argparse.Namespace):
     from controller import calibration
-    from controller.sim import scenarios
+    from controller.sim import demo_truth, scenarios
 
     scenario = scenarios.load(args.scenario)
     if args.seed is not None:
         scenario = scenario.with_changes(seed=args.seed)
-    cal_file = calibration_path(args.calibration)
+    if args.calibration == TRUTH:
+        scenario = demo_truth.truth_scenario(scenario)
+        cal_file, server = demo_truth.truth_calibration_path(), TRUTH
+    else:
+        cal_file, server = calibration_path(args.calibration), "calibration"
     cal = calibration.load(cal_file)
-    return scenario, cal.latency_model(), cal_file, bool(cal.example)
+    return scenario, cal.latency_model(), cal_file, bool(cal.example), server
 
 
 class LiveView:
@@ -128,10 +144,10 @@ def _hms(t: float) -> str:
 
 @exits_on_input_error
 def run(args: argparse.Namespace) -> int:
-    from controller.sim import comparison
+    from controller.sim import comparison, demo_truth
 
     started = time.perf_counter()
-    scenario, model, cal_file, example = _load(args)
+    scenario, model, cal_file, example, server = _load(args)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -141,10 +157,26 @@ def run(args: argparse.Namespace) -> int:
     if example:
         print("EXAMPLE calibration (not measured): the numbers show the mechanism, not your GPU")
     print(f"scenario {scenario.name}: {scenario.description} ({scenario.duration_s / 3600:g} h simulated)")
+    if server == TRUTH:
+        print(
+            "server: simulated H100, Llama-3.1-8B + Llama-3.2-1B draft (GPU roofline); controller calibrated "
+            f"from it by bench -> calibrate ({cal_file.name})"
+        )
+    else:
+        print(f"server: simulated on {cal_file.name}'s own model (the controller is graded on its own assumptions)")
 
     with LiveView(scenario) as view:
-        got = comparison.compare(scenario, model, cal_file, baselines=not args.no_baselines, on_tick=view.update)
+        got = comparison.compare(
+            scenario, model, cal_file, baselines=not args.no_baselines, on_tick=view.update, server=server
+        )
     comparison.print_table(got.rows)
+    cost_s, aborted = (
+        demo_truth.restart_cost(got.result.engine.restart_log, demo_truth.requests_of(got.result), got.requests)
+        if len(got.requests) == 2
+        else (math.nan, got.result.engine.lost)
+    )
+    line = demo_truth.verdict(got.rows, cost_s, aborted)
+    print(line)
     plot = out / "timeline.png"
     comparison.plot(got.result, got.t_windows, got.windows, plot, model)
     (out / "summary.json").write_text(
@@ -152,7 +184,10 @@ def run(args: argparse.Namespace) -> int:
             {
                 "scenario": scenario.name,
                 "calibration": str(cal_file),
+                "server": server,
                 "runs": got.rows,
+                "verdict": line,
+                "restart_cost_request_s": cost_s,
                 "wall_s": time.perf_counter() - started,
             },
             indent=2,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,17 +35,23 @@ def windowed_latency(result, window_s: float = WINDOW_S) -> tuple[np.ndarray, np
     return (np.arange(n) + 0.5) * window_s, mean
 
 
-def baseline(scenario_dump: dict, cal_file: str, enabled: bool) -> dict:
-    """Worker process: one always-on/off run, reduced to what the table and plot need."""
+def baseline(scenario_dump: dict, cal_file: str, enabled: bool, server: str = "calibration") -> dict:
+    """Worker process: one always-on/off run, reduced to what the table, plot and restart
+    pricing need (``server``: see :func:`controller.sim.demo_truth.server_costs`)."""
     from controller import calibration
-    from controller.sim import runner
+    from controller.sim import demo_truth, runner
     from controller.sim.scenarios import Scenario
 
     scenario = Scenario.model_validate(scenario_dump)
     model = calibration.load(cal_file).latency_model()
-    r = runner.run_static(scenario, model, enabled)
+    r = runner.run_static(scenario, demo_truth.server_costs(server, model), enabled)
     t, lat = windowed_latency(r)
-    return {"summary": r.summary(), "window_t": t.tolist(), "window_latency": lat.tolist()}
+    return {
+        "summary": r.summary(),
+        "window_t": t.tolist(),
+        "window_latency": lat.tolist(),
+        "requests": demo_truth.requests_of(r),
+    }
 
 
 @dataclass
@@ -56,22 +62,34 @@ class Comparison:
     rows: dict[str, dict]
     t_windows: np.ndarray
     windows: dict[str, list]
+    requests: dict[bool, tuple] = field(default_factory=dict)  # static runs' (arrival, latency), by SD on
 
 
-def compare(scenario, model, cal_file: Path, baselines: bool = True, on_tick: Callable | None = None) -> Comparison:
+def compare(
+    scenario,
+    model,
+    cal_file: Path,
+    baselines: bool = True,
+    on_tick: Callable | None = None,
+    server: str = "calibration",
+) -> Comparison:
     """Run the controller on ``scenario`` (``on_tick(record, engine)`` after each tick) and,
-    with ``baselines``, always-on and always-off in two worker processes meanwhile."""
-    from controller.sim import runner
+    with ``baselines``, always-on and always-off in two worker processes meanwhile. The
+    controller believes ``model``; the server runs on :func:`demo_truth.server_costs`."""
+    from controller.sim import demo_truth, runner
 
     futures: dict[str, Future] = {}
     pool = None
     if baselines:
         pool = ProcessPoolExecutor(max_workers=2)
         dump = scenario.model_dump(mode="json")
-        futures["always-on"] = pool.submit(baseline, dump, str(cal_file), True)
-        futures["always-off"] = pool.submit(baseline, dump, str(cal_file), False)
+        futures["always-on"] = pool.submit(baseline, dump, str(cal_file), True, server)
+        futures["always-off"] = pool.submit(baseline, dump, str(cal_file), False, server)
+    requests: dict[bool, tuple] = {}
     try:
-        result = runner.run_controller(scenario, model, on_tick=on_tick)
+        result = runner.run_controller(
+            scenario, demo_truth.server_costs(server, model), controller_model=model, on_tick=on_tick
+        )
         rows = {"controller": result.summary()}
         t_ctl, lat_ctl = windowed_latency(result)
         windows = {"controller": lat_ctl.tolist()}
@@ -79,10 +97,11 @@ def compare(scenario, model, cal_file: Path, baselines: bool = True, on_tick: Ca
             got = fut.result()
             rows[name] = got["summary"]
             windows[name] = got["window_latency"]
+            requests[name == "always-on"] = got["requests"]
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    return Comparison(result, rows, t_ctl, windows)
+    return Comparison(result, rows, t_ctl, windows, requests)
 
 
 def print_table(rows: dict[str, dict]) -> None:

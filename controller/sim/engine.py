@@ -7,9 +7,12 @@ What it models:
   ``max_num_batched_tokens`` − decode tokens of pending prompts, served in admission order;
 * speculative decoding: a verify step yields 1 + the number of leading accepted drafts (each
   accepted with the request's own α, at most γ + 1 tokens);
-* step costs from a calibration (:class:`controller.model.StepCost`), optionally bent by a
-  quadratic term and multiplied by per-tick lognormal noise, so the controller's model is not
-  graded on its own assumptions;
+* step costs from a :class:`StepCosts` source: a calibration (:class:`CalibratedCosts`, the
+  controller's own :class:`controller.model.StepCost`) or the independent GPU roofline
+  (:class:`controller.sim.truth_costs.TruthCosts`), optionally bent by a quadratic term and
+  multiplied by per-tick lognormal noise;
+* a KV cache bound when the cost source knows one: a waiting request is admitted only while
+  the running set's KV (prompt plus generated so far) and its prompt fit (no preemption);
 * a restart on every toggle: vLLM stops accepting, drains in-flight requests for up to
   ``drain_limit_s``, aborts the rest (counted lost), is down for ``restart_downtime_s``
   (± jitter) and comes back with fresh counters. Arrivals meanwhile queue up in front of it.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import requests
@@ -76,6 +80,94 @@ def tokens_per_step_moments(alpha: np.ndarray, gamma: int) -> tuple[np.ndarray, 
     mean = powers.sum(axis=1)
     second = powers @ (2.0 * np.arange(1, gamma + 2) - 1.0)
     return mean, np.sqrt(np.maximum(second - mean * mean, 0.0))
+
+
+@runtime_checkable
+class StepCosts(Protocol):
+    """What one engine step costs: the engine's only view of the hardware."""
+
+    max_num_seqs: int
+
+    def decode_step_s(self, batch: float, ctx_tokens: float, sd: SdConfig) -> tuple[float, float]:
+        """(seconds of one decode/verify step over ``batch`` sequences holding ``ctx_tokens`` of KV
+        in all, tokens the step computes for them)."""
+        ...
+
+    def chunk_extra_s(
+        self,
+        batch: float,
+        decode_tokens: float,
+        chunk_tokens: float,
+        sd: SdConfig,
+        prompt_tokens: float,
+        step_chunk_tokens: float,
+    ) -> float:
+        """Extra seconds steps with decode work pay for ``chunk_tokens`` of prompt (the draft's
+        prefill included with SD), when each step carries about ``step_chunk_tokens`` of it in
+        prompts of about ``prompt_tokens`` each."""
+        ...
+
+    def kv_capacity_tokens(self, sd: SdConfig) -> float | None:
+        """KV cache tokens of the server in that mode; None: unbounded (only max_num_seqs)."""
+        ...
+
+
+class CalibratedCosts:
+    """Step costs from a calibration (the controller's own latency model): the engine's costs
+    for ``simulate`` and the existing tests. Grading the controller on these grades it on its
+    own assumptions."""
+
+    def __init__(self, model: LatencyModel) -> None:
+        self.model = model
+        self.max_num_seqs = int(model.max_num_seqs)
+        self._c: dict[str, StepCost | None] = {
+            "target": model.target, "verify": model.verify, "draft": model.draft, "prefill": model.prefill,
+        }  # fmt: skip
+
+    def scale(self, sd: SdConfig) -> float:
+        return self.model.scale_on if sd.enabled else self.model.scale_off
+
+    def decode_step_s(self, batch: float, ctx_tokens: float, sd: SdConfig) -> tuple[float, float]:
+        c = self._c
+        if sd.enabled:
+            g = sd.num_speculative_tokens
+            x = batch * (g + 1)
+            whole = c["verify"] or c["target"]
+            t = (
+                g * c["draft"].scalar(batch, ctx_tokens, batch)
+                + whole.scalar(x, ctx_tokens, batch)
+                + self.model.sd_overhead_s
+            )
+        else:
+            x = batch
+            t = c["target"].scalar(batch, ctx_tokens, batch)
+        return t * self.scale(sd), float(x)
+
+    def chunk_extra_s(
+        self,
+        batch: float,
+        decode_tokens: float,
+        chunk_tokens: float,
+        sd: SdConfig,
+        prompt_tokens: float = 0.0,
+        step_chunk_tokens: float = 0.0,
+    ) -> float:
+        # Linear in the chunk: how the chunk is split over steps does not matter here.
+        c = self._c
+        pre = c["prefill"]
+        if pre is not None:  # schema-1 calibration: the stand-alone prefill slope
+            extra = pre.slope_s_per_token * chunk_tokens
+        else:
+            t = c["target"]
+            extra = t.scalar(decode_tokens + chunk_tokens) - t.scalar(decode_tokens)
+            if sd.enabled and self.model.draft_prefills:
+                d = c["draft"]
+                extra += d.scalar(batch + chunk_tokens) - d.scalar(batch)
+        return extra * self.scale(sd)
+
+    def kv_capacity_tokens(self, sd: SdConfig) -> float | None:
+        # The calibration-driven engine never bounded the batch by KV: keep its behaviour.
+        return None
 
 
 class _Hist:
@@ -147,7 +239,7 @@ class Engine:
     def __init__(
         self,
         scenario: Scenario,
-        model: LatencyModel,
+        model: LatencyModel | StepCosts,
         *,
         epoch_s: float = DEFAULT_EPOCH_S,
         seed: int | None = None,
@@ -156,7 +248,9 @@ class Engine:
         trace_speed: float = 1.0,
     ) -> None:
         self.scenario = scenario
-        self.model = model
+        # A LatencyModel is wrapped (the calibration-driven engine); anything else is a StepCosts.
+        self.costs: StepCosts = CalibratedCosts(model) if isinstance(model, LatencyModel) else model
+        self.model = model if isinstance(model, LatencyModel) else None
         # > 1: the scenario's traces play faster than the engine's clock (see serve.py); the
         # engine's own physics (steps, latencies, restarts) always runs in real seconds.
         self.trace_speed = float(trace_speed)
@@ -165,7 +259,7 @@ class Engine:
         self.tick_s = float(scenario.tick_s)
         self.epoch_s = float(epoch_s)
         self.model_name = model_name
-        self.max_num_seqs = int(spec.max_num_seqs or model.max_num_seqs)
+        self.max_num_seqs = int(spec.max_num_seqs or self.costs.max_num_seqs)
         seed = scenario.seed if seed is None else seed
         self._rng_arrivals = np.random.default_rng([seed, 1])
         self._rng = np.random.default_rng([seed, 2])
@@ -207,7 +301,6 @@ class Engine:
         self.timeline: dict[str, list[float]] = {
             k: [] for k in ("t", "running", "waiting", "sd_on", "serving", "arrivals", "step_s")
         }
-        self._costs = self._prepare_costs()
 
     # ---------------------------------------------------------------------------- clock
     @property
@@ -216,45 +309,39 @@ class Engine:
         return self.epoch_s + self.t
 
     # ---------------------------------------------------------------------------- costs
-    def _prepare_costs(self) -> dict[str, StepCost | None]:
-        m = self.model
-        return {"target": m.target, "verify": m.verify, "draft": m.draft, "prefill": m.prefill}
-
     def _scale(self, sd: SdConfig) -> float:
-        if sd.enabled:
-            return self.spec.cost_scale_on * self.model.scale_on
-        return self.spec.cost_scale_off * self.model.scale_off
+        return self.spec.cost_scale_on if sd.enabled else self.spec.cost_scale_off
 
     def _step_cost(self, batch: float, ctx_tokens: float, sd: SdConfig) -> tuple[float, float]:
         """(seconds of one decode step without prefill, decode tokens in it)."""
-        c = self._costs
-        if sd.enabled:
-            g = sd.num_speculative_tokens
-            x = batch * (g + 1)
-            whole = c["verify"] or c["target"]
-            t = (
-                g * c["draft"].scalar(batch, ctx_tokens, batch)
-                + whole.scalar(x, ctx_tokens, batch)
-                + self.model.sd_overhead_s
-            )
-        else:
-            x = batch
-            t = c["target"].scalar(batch, ctx_tokens, batch)
-        return t * self._scale(sd), float(x)
+        t, x = self.costs.decode_step_s(batch, ctx_tokens, sd)
+        return t * self._scale(sd), x
 
-    def _chunk_cost(self, batch: float, decode_tokens: float, chunk_tokens: float, sd: SdConfig) -> float:
+    def _chunk_cost(
+        self,
+        batch: float,
+        decode_tokens: float,
+        chunk_tokens: float,
+        sd: SdConfig,
+        prompt_tokens: float = 0.0,
+        step_chunk_tokens: float = 0.0,
+    ) -> float:
         """Extra seconds a step pays for carrying ``chunk_tokens`` of prompt (the draft's too with SD)."""
-        c = self._costs
-        pre = c["prefill"]
-        if pre is not None:  # schema-1 calibration: the stand-alone prefill slope
-            extra = pre.slope_s_per_token * chunk_tokens
-        else:
-            t = c["target"]
-            extra = t.scalar(decode_tokens + chunk_tokens) - t.scalar(decode_tokens)
-            if sd.enabled and self.model.draft_prefills:
-                d = c["draft"]
-                extra += d.scalar(batch + chunk_tokens) - d.scalar(batch)
+        extra = self.costs.chunk_extra_s(batch, decode_tokens, chunk_tokens, sd, prompt_tokens, step_chunk_tokens)
         return extra * self._scale(sd)
+
+    def _kv_fit(self, k: int) -> int:
+        """How many of the next ``k`` waiting requests fit the KV cache (all of them when unbounded)."""
+        cap = self.costs.kv_capacity_tokens(self.applied)
+        if cap is None or k <= 0:
+            return k
+        run = self._run
+        used = float((run[:, PROMPT] + run[:, DONE]).sum()) if len(run) else 0.0
+        prompts = self._q[self._q_head : self._q_head + k, Q_PROMPT]
+        fits = int(np.searchsorted(used + np.cumsum(prompts), cap, side="right"))
+        # An empty server always takes one request (a prompt larger than the cache is the
+        # scenario's error, not a reason to deadlock).
+        return max(fits, 1 if len(run) == 0 else 0)
 
     # ---------------------------------------------------------------------------- arrivals
     def _arrivals_for_tick(self, k: int):
@@ -416,7 +503,7 @@ class Engine:
         """Serve one tick. Returns the mean step duration (0 when idle)."""
         m = self.max_num_seqs
         admissible = (self._drain_mark if self.phase is Phase.DRAINING else self._q_tail) - self._q_head
-        k = min(m - len(self._run), admissible)
+        k = self._kv_fit(min(m - len(self._run), admissible))
         if k > 0:
             self._admit(k, t0)
         run = self._run
@@ -444,7 +531,12 @@ class Engine:
         tau0 = c_dec + q * x * x  # a step without prefill
         if pending > 0:
             # a step with a full prefill chunk
-            tau1 = c_dec + self._chunk_cost(b_eff, x, budget, sd) + q * (x + budget) ** 2
+            # Prompts arrive spread over the tick, so a real step carries about one prompt, or
+            # the backlog's share per step when many are pending (after a restart): a cost
+            # source whose per-token prefill cost depends on the chunk size needs to know.
+            prompt_mean = float(run[pf > 0, PROMPT].mean())
+            step_chunk = min(budget, max(prompt_mean, pending * self._last_tau / dt))
+            tau1 = c_dec + self._chunk_cost(b_eff, x, budget, sd, prompt_mean, step_chunk) + q * (x + budget) ** 2
             s1 = pending / budget
             n = s1 + (dt - s1 * tau1) / tau0 if s1 * tau1 <= dt else dt / tau1
         else:
@@ -511,7 +603,7 @@ class Engine:
             self._run = run[~fin]
             # Refill the freed slots in order of their freeing times (work starts next tick).
             admissible = (self._drain_mark if self.phase is Phase.DRAINING else self._q_tail) - self._q_head
-            k2 = min(m - len(self._run), admissible)
+            k2 = self._kv_fit(min(m - len(self._run), admissible))
             if k2 > 0:
                 free_at = np.sort(fin_t)
                 if len(free_at) < k2:  # pragma: no cover - slots can only come from finishers

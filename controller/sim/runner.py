@@ -221,11 +221,18 @@ def run_schedule(
     seed: int | None = None,
     warmup_s: float = 0.0,
     name: str = "schedule",
+    start_on: bool | None = None,
 ) -> RunResult:
     """Follow a per-interval on/off schedule (``desired[k]`` for interval k), switching at the
-    start of each interval whose state differs (retried while a restart is in flight)."""
+    start of each interval whose state differs (retried while a restart is in flight).
+
+    ``start_on``: the state vLLM was launched in; a schedule that wants the other state first
+    pays a restart at t=0. None: launched in the schedule's first state (no restart)."""
     first = bool(desired[0]) if len(desired) else scenario.engine.initial_sd
-    engine = Engine(scenario.with_changes(engine={"initial_sd": first}), model, seed=seed)
+    launched = first if start_on is None else bool(start_on)
+    engine = Engine(scenario.with_changes(engine={"initial_sd": launched}), model, seed=seed)
+    if launched != first:
+        engine.request_restart(first, None)
     result = RunResult(name, scenario, engine, warmup_s=warmup_s)
     k = [0]
 

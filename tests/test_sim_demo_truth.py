@@ -1,0 +1,93 @@
+"""`sd-controller demo` on the independent truth: the shipped calibration, the one-line verdict,
+and the restart pricing it reports."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from controller import calibration as cal_mod
+from controller.cli import main
+from controller.sim import decisions, demo_truth
+from controller.sim.fidelity import BenchSettings
+
+SHORT = """
+kind: sd-controller/scenario
+name: short
+duration_s: 2400
+seed: 2
+arrival_rate: {kind: piecewise, points: [[0, 3], [900, 13.5], [2400, 13.5]]}
+acceptance: {kind: constant, value: 0.65}
+engine: {restart_downtime_s: 30, restart_jitter_s: 0}
+"""
+
+
+@pytest.mark.slow
+def test_demo_runs_on_the_truth_and_says_what_it_gained_and_what_restarts_cost(tmp_path, capsys):
+    f = tmp_path / "short.yaml"
+    f.write_text(SHORT)
+    out = tmp_path / "out"
+    assert main(["demo", "--scenario", str(f), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "simulated H100" in text and "EXAMPLE" not in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["server"] == "truth"
+    assert summary["calibration"].endswith("truth-calibration.json")
+    line = summary["verdict"]
+    assert line in text
+    assert line.startswith("controller vs the better static policy (always-")
+    assert ("gained" in line) != ("lost" in line.split("%")[0])
+    n = int(summary["runs"]["controller"]["toggles"])
+    assert f"its {n} restart" in line
+    if n == 0:
+        assert summary["restart_cost_request_s"] == 0
+
+
+@pytest.mark.slow
+def test_demo_with_a_calibration_file_runs_on_that_calibrations_model(tmp_path, capsys):
+    f = tmp_path / "short.yaml"
+    f.write_text(SHORT)
+    out = tmp_path / "out"
+    assert main(["demo", "--scenario", str(f), "--out", str(out), "--calibration", "example", "--no-baselines"]) == 0
+    text = capsys.readouterr().out
+    assert "own model" in text and "EXAMPLE calibration" in text
+    assert json.loads((out / "summary.json").read_text())["server"] == "calibration"
+
+
+def test_restart_cost_is_the_excess_latency_of_the_same_arrivals_over_the_static_run():
+    arr = np.arange(0.0, 2000.0, 1.0)
+    static_on = (arr, np.full(arr.size, 1.0))
+    static_off = (arr, np.full(arr.size, 2.0))
+    ctl_lat = np.full(arr.size, 2.0)
+    ctl_lat[(arr >= 100) & (arr < 200)] = 50.0  # the restart's outage and backlog
+    ctl_lat[arr >= 200] = 1.0  # after coming back with SD on: as always-on
+    restarts = [(100.0, 175.0, True, 3)]
+    cost, lost = demo_truth.restart_cost(restarts, (arr, ctl_lat), {True: static_on, False: static_off})
+    # Arrivals in [100, 175 + 900): 100 of them at 50 s instead of 1 s; the rest as always-on.
+    assert cost == pytest.approx(100 * 49.0)
+    assert lost == 3
+    assert demo_truth.restart_cost([], (arr, ctl_lat), {True: static_on, False: static_off}) == (0.0, 0)
+
+
+def test_verdict_names_the_better_static_policy_and_the_sign():
+    rows = {
+        "controller": {"mean_latency_s": 2.0, "toggles": 2},
+        "always-on": {"mean_latency_s": 4.0},
+        "always-off": {"mean_latency_s": 2.5},
+    }
+    line = demo_truth.verdict(rows, 1234.0, 5)
+    assert "(always-off): gained 20.0 %" in line and "2 restarts cost 1,234 request-s (617 each)" in line
+    rows["controller"]["mean_latency_s"] = 3.0
+    assert "lost 20.0 %" in demo_truth.verdict(rows, 0.0, 0)
+
+
+@pytest.mark.slow
+def test_shipped_truth_calibration_is_what_bench_then_calibrate_produces(tmp_path):
+    shipped = cal_mod.load(demo_truth.truth_calibration_path())
+    assert "bench -> calibrate against the simulated truth" in shipped.metadata.notes
+    assert not shipped.example
+    fresh, _ = decisions.calibrate(tmp_path, bench=BenchSettings())
+    assert fresh.metadata.source_sha256 == shipped.metadata.source_sha256
+    assert fresh.latency_model() == shipped.latency_model()
