@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from controller import deadline, policy
 from controller.assessment import Assessment, assess
 from controller.config import OverrideMode
+from controller.coordination.gate import RestartGate
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
 from controller.model import LatencyModel
@@ -116,6 +117,7 @@ class Controller:
         override: Callable[[], OverrideMode] | None = None,
         notify: Callable[[str, dict], None] | None = None,
         state: ControllerState | None = None,
+        gate: RestartGate | None = None,
     ) -> None:
         """``state``: the state to start from, when the caller has loaded it already (the
         state file is read once); otherwise ``state_store.load()``."""
@@ -137,6 +139,9 @@ class Controller:
         self.failed_ticks = 0  # consecutive ticks that raised
         self.last_tick_error: str | None = None
         self._lock = threading.Lock()  # one tick at a time, even if called from two threads
+        self.gate = gate  # fleet mode: a restart slot before each restart (coordination/gate.py)
+        if gate is not None:
+            gate.register(self.registry)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -163,6 +168,8 @@ class Controller:
         decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
         events = events + decision.events
         acted = False
+        if self.gate is not None and not self.dry_run:
+            decision = self.gate.admit(decision)
         if decision.acts and not self.dry_run:
             # The pending lock is saved before the hook is called (see policy.begin_request).
             state = policy.begin_request(state, decision, now)
@@ -184,6 +191,8 @@ class Controller:
             state, more = policy.record_request(state, s, acted, now, uncertain)
             events = events + more
         self.state = state
+        if self.gate is not None:
+            self.gate.settle(state, events)
         self.store.save(state)
         self.last_tick_at = now
         self.failed_ticks, self.last_tick_error = 0, None

@@ -60,6 +60,8 @@ class Reason(StrEnum):
     ROUND_TRIP = "round_trip_cost_exceeds_gain"  # enabling must also pay the restart back at the peak
     EXCURSION = "excursion_shorter_than_restart"  # the signal has not outlasted a restart yet
     STARTUP = "startup_keeps_launched_state"  # no history yet, and the launched state is not wrong
+    SLOT_BUSY = "restart_slot_busy"  # fleet: every restart slot is taken (coordination/gate.py)
+    COORDINATION_UNAVAILABLE = "coordination_unavailable"  # fleet: no restart without the backend
 
 
 class ControllerPhase(StrEnum):

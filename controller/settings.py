@@ -29,6 +29,7 @@ from controller.config import (
     PolicyConfig,
     PricingSettings,
 )
+from controller.coordination.setup import CoordinationSettings
 from controller.errors import ConfigError
 from controller.hooks.setup import HookSettings, HookType
 from controller.sources.setup import SourceSettings
@@ -50,6 +51,7 @@ GROUPS: dict[str, type[BaseModel]] = {
     "hook": HookSettings,
     "exporter": ExporterSettings,
     "files": FileSettings,
+    "coordination": CoordinationSettings,
 }
 
 
@@ -61,6 +63,7 @@ class Settings(
     HookSettings,
     ExporterSettings,
     FileSettings,
+    CoordinationSettings,
 ):
     """All knobs of ``sd-controller run``: the six groups, flat (:data:`GROUPS`).
 
@@ -104,6 +107,10 @@ class Settings(
     @property
     def files(self) -> FileSettings:
         return self._as(FileSettings)
+
+    @property
+    def coordination(self) -> CoordinationSettings:
+        return self._as(CoordinationSettings)
 
     @property
     def policy(self) -> PolicyConfig:

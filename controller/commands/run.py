@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from controller import calibration as cal_mod
+from controller.coordination.setup import build_gate
 from controller.errors import EXIT_OK, EXIT_USAGE, ConfigError, InputError
 from controller.hooks.setup import build_hook
 from controller.logs import configure as configure_logs
@@ -114,6 +115,7 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         override=override_from_file(s.override_file, s.override),
         notify=WebhookNotifier(s.webhook_url),
         state=state,
+        gate=build_gate(s),
     )
     if cal.example:  # after every check, so a config error stays the only line on stderr
         log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
