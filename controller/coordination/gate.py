@@ -70,6 +70,20 @@ class RestartGate:
         """The decision unchanged when it does not act or a slot is held; else a hold."""
         if not decision.acts:
             return decision
+        if self.slot is not None:
+            # Still held from the change confirmed this very tick (settle has not run yet): only
+            # good if etcd says so now, never on this controller's memory alone.
+            try:
+                if not self.coordinator.keep_alive(self.slot):
+                    log.warning("slot_lost", slot=self.slot.key, detail="expired before the next restart")
+                    self.slot = None
+            except CoordinationError as exc:
+                self._count_error("keep_alive", exc)
+                return self._hold(
+                    decision,
+                    policy.Reason.COORDINATION_UNAVAILABLE,
+                    f"{decision.action.value} held: cannot confirm the restart slot ({exc})",
+                )
         if self.slot is None:
             try:
                 self.slot = self.coordinator.acquire(self.replica_id)

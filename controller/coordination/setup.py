@@ -8,6 +8,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Self
 
+import structlog
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from controller.config import GROUP_CONFIG, http_url
@@ -16,6 +17,7 @@ from controller.coordination.gate import RestartGate
 from controller.coordination.none import NoCoordinator
 from controller.errors import ConfigError
 
+log = structlog.get_logger("sd_controller")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -50,10 +52,10 @@ class CoordinationSettings(BaseModel):
     )
     max_unavailable: int = Field(1, ge=1, le=1000, description="Replicas of the fleet allowed to restart at once.")
     restart_slot_ttl_s: float = Field(
-        60.0,
+        120.0,
         ge=2,
         le=3600,
-        description="Lifetime of a restart slot unless renewed (renewed every tick): a dead holder frees it after this.",
+        description="Lifetime of a restart slot unless renewed (every tick): a dead holder frees it after this; keep it above a restart's duration.",
     )
     replica_id: str | None = Field(
         None, description="This replica's name in the fleet; empty: $POD_NAME, else the host name."
@@ -131,5 +133,15 @@ def build_gate(s: Any) -> RestartGate:
         raise ConfigError(
             f"setting restart_slot_ttl_s ({group.restart_slot_ttl_s:g}) must be at least 3 × evaluation_interval_s"
             f" ({interval:g}): the slot is renewed once a tick"
+        )
+    downtime = float(getattr(s, "restart_downtime_s", 0.0))
+    if group.coordination_backend is not CoordinationBackend.NONE and group.restart_slot_ttl_s < downtime:
+        # A holder that dies as its replica starts restarting frees the slot after the TTL: if
+        # that is shorter than the restart, a second replica can go down while the first still is.
+        log.warning(
+            "slot_ttl_shorter_than_restart",
+            restart_slot_ttl_s=group.restart_slot_ttl_s,
+            restart_downtime_s=downtime,
+            detail="a dead holder's replica may still be restarting when its slot is handed on",
         )
     return RestartGate(build_coordinator(group), replica_id(group), group.coordination_backend.value)
