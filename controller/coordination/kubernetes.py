@@ -8,8 +8,10 @@ between the controllers' wall clocks cannot hand out a live slot. Every write is
 carrying the resourceVersion read, so two controllers racing for one slot cannot both win
 (the API server answers 409 to the second).
 
-Not tested against a real API server (none can run here): the etcd backend's tests exercise
-the gate and the protocol; this module is covered only by the contract the gate relies on.
+Not tested against a real API server (none can run here): tests/test_coordination_kubernetes.py
+runs it through the official client against a small fake of the Lease REST API over real HTTP
+(get/list/create/update, 404, 409 on a stale resourceVersion); auth, RBAC enforcement and the
+real server's validation are not exercised.
 RBAC: get, list, create, update, delete on leases in the namespace (deploy/fleet/).
 """
 
@@ -20,6 +22,8 @@ import re
 import time
 from collections.abc import Callable
 from typing import Any
+
+from urllib3.exceptions import HTTPError
 
 from controller.coordination.base import CoordinationError, ReplicaState, Slot
 
@@ -83,7 +87,7 @@ class KubernetesLeaseCoordinator:
             raise CoordinationError(
                 f"kubernetes lease {self.namespace}/{name}: {op}: HTTP {exc.status} {exc.reason}"
             ) from None
-        except Exception as exc:  # urllib3 connection errors and timeouts have no common base worth naming
+        except (HTTPError, OSError) as exc:  # connection refused, timeouts, TLS
             raise CoordinationError(
                 f"kubernetes lease {self.namespace}/{name}: {op}: unreachable ({type(exc).__name__})"
             ) from None
