@@ -44,6 +44,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "sd_projected_arrival_rate_rps": ("gauge", (), "projected arrival rate"),
     "sd_restart_downtime_seconds": ("gauge", (), "expected restart downtime"),
     "sd_controller_build": ("info", (), "build information"),
+    # registered by the restart gate (controller/coordination/gate.py) on the same registry
+    "sd_controller_max_unavailable": ("gauge", (), "replicas allowed to restart at once"),
 }
 STATES = ("enabled", "disabled", "pending", "failed", "override")
 
@@ -103,6 +105,7 @@ class FakeControllerExporter:
             "sd_projected_gain_request_seconds": 300,
             "sd_projected_arrival_rate_rps": 1.6,
             "sd_restart_downtime_seconds": 75,
+            "sd_controller_max_unavailable": 1,
         }
         for name, v in defaults.items():
             self.set(name, v)
