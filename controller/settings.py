@@ -65,10 +65,10 @@ class Settings(
     FileSettings,
     CoordinationSettings,
 ):
-    """All knobs of ``sd-controller run``: the six groups, flat (:data:`GROUPS`).
+    """All knobs of ``sd-controller run``: the seven groups, flat (:data:`GROUPS`).
 
     Each field is read from ``SD_CONTROLLER_<NAME>``; ``settings.<group>`` (decision, pricing,
-    sources, hook, exporter, files) is one group's values, ``settings.policy`` what the pure
+    sources, hook, exporter, files, coordination) is one group's values, ``settings.policy`` what the pure
     core is given.
     """
 

@@ -43,7 +43,7 @@ class CoordinationSettings(BaseModel):
         "/sd-controller", description="etcd: key prefix; kubernetes: Lease name prefix (one per fleet)."
     )
     coordination_etcd_api_path: str | None = Field(
-        None, description="etcd: JSON gateway path (/v3beta/ on 3.4, /v3/ on 3.5+); empty: discovered from /version."
+        None, description="etcd: JSON gateway path (/v3/ on 3.4+, /v3beta/ on 3.3); empty: discovered from /version."
     )
     coordination_ca_bundle: Path | None = Field(None, description="etcd: CA bundle for https endpoints.")
     coordination_timeout_s: float = Field(2.0, gt=0, description="Timeout of one coordination call.")
