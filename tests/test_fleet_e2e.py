@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.prometheus import free_port
+from tests.support.prometheus import _die_with_parent_prefix, free_port
 
 pytestmark = [pytest.mark.slow]
 
@@ -73,7 +73,7 @@ class Replica:
         log = self.dir / "sim.log"
         with log.open("w") as out:
             self.sim = subprocess.Popen(
-                [sys.executable, "-m", "controller.cli", "simulate", "--scenario", "quick", "--speed", "1",
+                [*_die_with_parent_prefix(), sys.executable, "-m", "controller.cli", "simulate", "--scenario", "quick", "--speed", "1",
                  "--port", str(self.port), "--admin-port", str(self.admin_port), "--insecure-no-token",
                  "--restart-s", str(RESTART_S), "--duration-s", "400"],
                 env=_env(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -109,7 +109,11 @@ class Replica:
         )
         with log.open("a") as out:
             self.ctl = subprocess.Popen(
-                [sys.executable, "-m", "controller.cli", "run"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
+                [*_die_with_parent_prefix(), sys.executable, "-m", "controller.cli", "run"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
             )
         _wait_http(f"http://127.0.0.1:{self.exporter_port}/healthz", self.ctl, log)
 
