@@ -34,6 +34,7 @@ from controller.observation import Observation, ObserveResult
 from controller.policy import Decision
 from controller.settings import Settings
 from controller.sources.base import Source
+from controller.sources.fleet import priced_for_fleet
 from controller.state import ControllerState, clamp_to_clock
 from controller.state_store import MemoryStateStore, StateStore
 
@@ -160,6 +161,7 @@ class Controller:
         status = self.hook.status()
         state, events = policy.reconcile(state, status, s, now)
         obs = self.source.observe(now)
+        s = priced_for_fleet(s, obs)  # fleet mode: a restart is a dip of one of the replicas serving now
         override = self.override()
         failure = policy.usable(obs, s)
         assessment = None
