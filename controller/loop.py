@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from controller import deadline, policy
 from controller.assessment import Assessment, assess
 from controller.config import OverrideMode
+from controller.coordination.gate import RestartGate
 from controller.events import Event, EventKind
 from controller.exporter import Exporter
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
@@ -35,6 +36,7 @@ from controller.observation import Observation, ObservationFailure, ObserveResul
 from controller.policy import Decision
 from controller.settings import Settings
 from controller.sources.base import Source
+from controller.sources.fleet import priced_for_fleet
 from controller.state import ControllerState, clamp_to_clock
 from controller.state_store import MemoryStateStore, StateStore
 
@@ -121,6 +123,7 @@ class Controller:
         notify: Callable[[str, dict], None] | None = None,
         state: ControllerState | None = None,
         learner: Learner | None = None,
+        gate: RestartGate | None = None,
     ) -> None:
         """``state``: the state to start from, when the caller has loaded it already (the
         state file is read once); otherwise ``state_store.load()``."""
@@ -144,6 +147,9 @@ class Controller:
         self._lock = threading.Lock()  # one tick at a time, even if called from two threads
         # Evidence and online correction (memory-backed unless the daemon passes file stores).
         self.learner = learner if learner is not None else Learner(settings, model)
+        self.gate = gate  # fleet mode: a restart slot before each restart (coordination/gate.py)
+        if gate is not None:
+            gate.register(self.registry)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -162,6 +168,7 @@ class Controller:
         status = self.hook.status()
         state, events = policy.reconcile(state, status, s, now)
         obs = self.source.observe(now)
+        s = priced_for_fleet(s, obs)  # fleet mode: a restart is a dip of one of the replicas serving now
         override = self.override()
         failure = policy.usable(obs, s)
         assessment = None
@@ -173,6 +180,8 @@ class Controller:
         decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
         events = events + decision.events
         acted = False
+        if self.gate is not None and not self.dry_run:
+            decision = self.gate.admit(decision)
         if decision.acts and not self.dry_run:
             # The pending lock is saved before the hook is called (see policy.begin_request).
             state = policy.begin_request(state, decision, now)
@@ -194,6 +203,8 @@ class Controller:
             state, more = policy.record_request(state, s, acted, now, uncertain)
             events = events + more
         self.state = state
+        if self.gate is not None:
+            self.gate.settle(state, events)
         self.store.save(state)
         self.last_tick_at = now
         self.failed_ticks, self.last_tick_error = 0, None

@@ -57,6 +57,9 @@ class Observation:
     mean_e2e_latency_s: float | None = None
     sd_series_present: bool | None = None  # SD counters exported: vLLM runs with SD configured
     sample_age_s: float | None = None  # age of the newest underlying sample
+    # Fleet mode (sources/fleet.py): the whole fleet's arrival rate and how many replicas serve it.
+    fleet_arrival_rate_rps: float | None = None
+    fleet_replicas: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -73,6 +76,7 @@ class Observation:
             "waiting",
             "mean_e2e_latency_s",
             "sample_age_s",
+            "fleet_arrival_rate_rps",
         ):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):

@@ -65,6 +65,8 @@ class Reason(StrEnum):
     OBSERVED_SD_HARM = "observed_sd_harm"
     QUEUE_GROWTH = "queue_growth"
     SAFETY_NET_HELD = "safety_net_held_by_switch_cost"
+    SLOT_BUSY = "restart_slot_busy"  # fleet: every restart slot is taken (coordination/gate.py)
+    COORDINATION_UNAVAILABLE = "coordination_unavailable"  # fleet: no restart without the backend
 
 
 class ControllerPhase(StrEnum):

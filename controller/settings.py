@@ -30,6 +30,7 @@ from controller.config import (
     PolicyConfig,
     PricingSettings,
 )
+from controller.coordination.setup import CoordinationSettings
 from controller.errors import ConfigError
 from controller.hooks.setup import HookSettings, HookType
 from controller.sources.setup import SourceSettings
@@ -52,6 +53,7 @@ GROUPS: dict[str, type[BaseModel]] = {
     "exporter": ExporterSettings,
     "files": FileSettings,
     "learning": LearningSettings,
+    "coordination": CoordinationSettings,
 }
 
 
@@ -64,11 +66,12 @@ class Settings(
     ExporterSettings,
     FileSettings,
     LearningSettings,
+    CoordinationSettings,
 ):
-    """All knobs of ``sd-controller run``: the six groups, flat (:data:`GROUPS`).
+    """All knobs of ``sd-controller run``: the seven groups, flat (:data:`GROUPS`).
 
     Each field is read from ``SD_CONTROLLER_<NAME>``; ``settings.<group>`` (decision, pricing,
-    sources, hook, exporter, files) is one group's values, ``settings.policy`` what the pure
+    sources, hook, exporter, files, coordination) is one group's values, ``settings.policy`` what the pure
     core is given.
     """
 
@@ -107,6 +110,10 @@ class Settings(
     @property
     def files(self) -> FileSettings:
         return self._as(FileSettings)
+
+    @property
+    def coordination(self) -> CoordinationSettings:
+        return self._as(CoordinationSettings)
 
     @property
     def policy(self) -> PolicyConfig:

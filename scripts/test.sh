@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine of this kind: installs what the tests need
-# (Debian's prometheus for promtool and a real Prometheus server, buildah and mmdebstrap for
+# (Debian's prometheus for promtool and a real Prometheus server, etcd-server for fleet mode,
+# buildah and mmdebstrap for
 # the container-image test, the package with its dev extras, and the vLLM CPU build in a
 # cached venv), then runs pytest. Extra args go to pytest.
 set -euo pipefail
@@ -14,6 +15,8 @@ command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || 
 # The container-image test builds the image for real: buildah, and mmdebstrap for its base.
 command -v buildah >/dev/null 2>&1 || need+=(buildah)
 command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+# Fleet mode's tests run a real etcd (3.4 from Debian).
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 if ((${#need[@]})); then
   echo "== installing ${need[*]} (Debian)"
   apt-get update -qq

@@ -15,6 +15,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tests.support.etcd import EtcdServer, etcd_binary  # noqa: E402
 from tests.support.fake_vllm import FakeVllmServer  # noqa: E402
 from tests.support.prometheus import ENV_BIN, PrometheusServer, prometheus_binary  # noqa: E402
 
@@ -67,3 +68,17 @@ def prometheus_server(prometheus_bin: str, tmp_path: Path) -> Iterator[Prometheu
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A started etcd on 127.0.0.1 (random ports, data under tmp_path), stopped at teardown.
+
+    Skips when there is no etcd binary; CI installs it (``apt-get install etcd-server``).
+    """
+    if etcd_binary() is None:
+        pytest.skip("etcd binary not found on PATH or in $SD_ETCD_BIN (install: apt-get install -y etcd-server)")
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    yield server
+    server.stop()

@@ -15,8 +15,12 @@ KIND_TO_TYPE = {"gauge": "gauge", "counter": "counter", "enum": "stateset", "inf
 
 @pytest.fixture
 def registry() -> CollectorRegistry:
+    from controller.coordination.gate import RestartGate
+    from controller.coordination.none import NoCoordinator
+
     registry = CollectorRegistry()
     exporter_mod.Exporter(registry)
+    RestartGate(NoCoordinator(), "r").register(registry)  # every daemon has one (run.build)
     return registry
 
 

@@ -125,8 +125,8 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     stop = threading.Event()
     vllm = FakeVllmServer(sd_enabled=True).start()
     # a: SD on, drifting, flapping, low acceptance, stale; b: a switch stuck pending;
-    # c: scraped once, then gone (controller down).
-    ctl = {k: FakeControllerExporter().start() for k in "abc"}
+    # c: scraped once, then gone (controller down); d: restarting too, beside b (one slot).
+    ctl = {k: FakeControllerExporter().start() for k in "abcd"}
     a, b = ctl["a"], ctl["b"]
     a.set("sd_acceptance_rate", 0.3)
     a.set("sd_observed_latency_seconds", 1.5)
@@ -141,6 +141,9 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     b.set("sd_controller_pending_timeout_seconds", 600)
     b.set("sd_controller_last_decision_timestamp_seconds", time.time())
     b.state("pending")
+    ctl["d"].set("sd_controller_pending_age_seconds", 30)
+    ctl["d"].set("sd_controller_last_decision_timestamp_seconds", time.time())
+    ctl["d"].state("pending")
     feeder = threading.Thread(target=_feed, args=(vllm, stop), daemon=True)
     feeder.start()
     prom = PrometheusServer(
@@ -150,7 +153,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     )
     try:
         prom.start()
-        prom.wait_for('count(up{job="sd-controller"} == 1) == 3', timeout_s=30)
+        prom.wait_for('count(up{job="sd-controller"} == 1) == 4', timeout_s=30)
         ctl["c"].stop()
         # Six toggles, a switch failure and observation failures, each after a scrape so
         # that the counters' first samples are 0.
@@ -198,14 +201,14 @@ def test_rules_evaluate_without_errors_and_every_alert_triggers(stack: Stack) ->
     states = {r["name"]: r["state"] for g in groups for r in g["rules"] if r["type"] == "alerting"}
     assert set(states) == {
         "SDAcceptanceLow", "SDControllerStale", "SDControllerDown", "SDRestartStuck",
-        "SDPredictionDrift", "SDFlapping", "SDModelDrift", "SDRecalibrationNeeded",
+        "SDPredictionDrift", "SDFlapping", "SDModelDrift", "SDRecalibrationNeeded", "SDFleetRestartsOverLimit",
     }  # fmt: skip
     inactive = {name: s for name, s in states.items() if s not in ("pending", "firing")}
     assert not inactive, f"alerts whose condition should hold but does not: {inactive}"
 
 
 def test_alerts_point_at_the_right_replica(stack: Stack) -> None:
-    a, b, c = (stack.ctl[k].target for k in "abc")
+    a, b, c, d = (stack.ctl[k].target for k in "abcd")
     alerts = stack.prom.wait_for("ALERTS", predicate=lambda r: len(r) >= 8)
     where = {}
     for s in alerts:
@@ -217,6 +220,7 @@ def test_alerts_point_at_the_right_replica(stack: Stack) -> None:
     assert where["SDRecalibrationNeeded"] == {a}
     assert where["SDRestartStuck"] == {b}
     assert where["SDControllerDown"] == {c}
+    assert where["SDFleetRestartsOverLimit"] == {b, d}
     assert a in where["SDControllerStale"] and b not in where["SDControllerStale"]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from controller import calibration as cal_mod
+from controller.coordination.setup import build_gate
 from controller.errors import EXIT_OK, EXIT_USAGE, ConfigError, InputError
 from controller.hooks.setup import build_hook
 from controller.learning import Learner
@@ -116,6 +117,7 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         notify=WebhookNotifier(s.webhook_url),
         state=state,
         learner=Learner.from_settings(s, model),
+        gate=build_gate(s),
     )
     if cal.example:  # after every check, so a config error stays the only line on stderr
         log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")

@@ -16,6 +16,7 @@ from controller.config import GROUP_CONFIG, http_url
 from controller.errors import ConfigError
 from controller.model import LatencyModel, Workload, stability_limits
 from controller.sources.base import Source
+from controller.sources.fleet import FleetSource
 from controller.sources.prometheus import PrometheusSource, render_queries
 from controller.sources.vllm_metrics import VllmMetricsSource
 
@@ -30,6 +31,10 @@ class SourceSettings(BaseModel):
     )
     prometheus_selector: str = Field(
         "", description='Label matchers for this vLLM instance, e.g. model_name="llama",instance="10.0.0.5:8000".'
+    )
+    prometheus_fleet_selector: str | None = Field(
+        None,
+        description='Fleet mode: label matchers for every replica of the fleet, e.g. job="vllm",namespace="llm"; a switch is then priced with the replicas serving now (needs prometheus_url).',
     )
     prometheus_timeout_s: float = Field(5.0, gt=0, description="Timeout of one Prometheus query.")
     rate_window_s: float = Field(60.0, gt=0, description="Window of the arrival-rate estimate.")
@@ -71,10 +76,15 @@ def build_source(s: Any, model: LatencyModel | None = None) -> Source:
             render_queries(s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s, s.queries)
         except ValueError as exc:
             raise ConfigError(f"setting queries: {exc}") from exc
-        return PrometheusSource(
+        source = PrometheusSource(
             s.prometheus_url, s.prometheus_selector, s.rate_window_s, s.acceptance_window_s, s.long_window_s,
             s.queries, s.prometheus_timeout_s, **bounds,
         )  # fmt: skip
+        if s.prometheus_fleet_selector:
+            return FleetSource(source, source, s.prometheus_fleet_selector, s.rate_window_s)
+        return source
+    if s.prometheus_fleet_selector:
+        raise ConfigError("setting prometheus_fleet_selector: needs prometheus_url (the fleet is read from Prometheus)")
     return VllmMetricsSource(
         url=s.vllm_metrics_url, model_name=s.vllm_model_name, rate_window_s=s.rate_window_s,
         acceptance_window_s=s.acceptance_window_s, long_window_s=s.long_window_s, timeout_s=s.prometheus_timeout_s,

@@ -50,6 +50,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "sd_calibrated_latency_seconds": ("gauge", ("mode",), "predicted latency, calibration alone"),
     "sd_model_recalibration_alarm": ("gauge", (), "correction at its clamp (0/1)"),
     "sd_model_evidence_ticks": ("gauge", (), "ticks the correction learned from"),
+    # registered by the restart gate (controller/coordination/gate.py) on the same registry
+    "sd_controller_max_unavailable": ("gauge", (), "replicas allowed to restart at once"),
 }
 STATES = ("enabled", "disabled", "pending", "failed", "override")
 
@@ -109,6 +111,7 @@ class FakeControllerExporter:
             "sd_projected_gain_request_seconds": 300,
             "sd_projected_arrival_rate_rps": 1.6,
             "sd_restart_downtime_seconds": 75,
+            "sd_controller_max_unavailable": 1,
         }
         for name, v in defaults.items():
             self.set(name, v)
