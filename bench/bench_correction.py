@@ -23,7 +23,7 @@ import structlog
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
+from controller.shipped import example_calibration_path
 from controller.sim import scenarios
 from controller.sim.convergence import measure, off_calibrations, run_day
 from controller.sim.workload import Constant

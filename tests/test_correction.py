@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
 from controller.correction import (
     TERMS,
     CorrectionConfig,
@@ -17,6 +16,7 @@ from controller.correction import (
     update,
 )
 from controller.model import Workload, curves
+from controller.shipped import example_calibration_path
 
 BASE = load(example_calibration_path()).latency_model()
 W = Workload(1000.0, 280.0)

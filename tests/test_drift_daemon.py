@@ -22,13 +22,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
 from controller.correction import scaled_model
 from controller.exporter import MetricsServer
 from controller.hooks.http import launcher_hook
 from controller.loop import Controller
 from controller.model import Workload, predict_point
 from controller.settings import Settings
+from controller.shipped import example_calibration_path
 from controller.sim.engine import Engine
 from controller.sim.scenarios import Scenario
 from controller.sim.server import SimulatedServer

@@ -8,7 +8,6 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
 from controller.correction import scaled_model
 from controller.evidence import Excluded, FileEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
@@ -17,6 +16,7 @@ from controller.loop import Controller
 from controller.model import Workload, curves
 from controller.observation import Observation
 from controller.settings import OverrideMode, Settings
+from controller.shipped import example_calibration_path
 from controller.state import ControllerState
 
 BASE = load(example_calibration_path()).latency_model()

@@ -5,14 +5,14 @@ import math
 import pytest
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
 from controller.correction import scaled_model
 from controller.evidence import EvidenceRecord, Excluded
 from controller.model import Workload, curves
 from controller.observation import Observation
 from controller.residuals import format_report, from_evidence, from_steps, summarize
 from controller.settings import Settings
-from controller.sim.backtest import Step
+from controller.shipped import example_calibration_path
+from controller.sim.backtest.history import Step
 
 BASE = load(example_calibration_path()).latency_model()
 S = Settings(calibration_file="example", hook_type="none")

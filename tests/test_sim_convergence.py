@@ -11,8 +11,8 @@ import pytest
 import structlog
 
 from controller.calibration import load
-from controller.commands._common import example_calibration_path
 from controller.correction import scaled_model
+from controller.shipped import example_calibration_path
 from controller.sim import scenarios
 from controller.sim.convergence import measure, run_day
 
