@@ -24,6 +24,12 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # sys.stderr looked up when a logger is made, not now: whoever swaps it later (a test's
+        # capture, a daemon's redirect) keeps getting the lines, and a closed one is never held.
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
+
+
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    return structlog.PrintLogger(sys.stderr)

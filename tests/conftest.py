@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+import structlog
 
 # `tests` has no __init__.py, so pytest puts tests/ (not the repo root) on sys.path; the root
 # is needed for `tests.support` and, before `pip install -e .`, for `controller`.
@@ -82,3 +83,11 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_reset():
+    """Each test starts from structlog's defaults: a test that configures logging (a command
+    run in-process) must not leak its configuration into the next one."""
+    yield
+    structlog.reset_defaults()

