@@ -89,7 +89,9 @@ class DecisionSettings(BaseModel):
         description="vLLM-style acceptance rate assumed when none was ever measured or the last one is too old.",
     )
     acceptance_max_age_s: float = Field(
-        21600.0, gt=0, description="A measured acceptance older than this (SD off for long) is replaced by the prior."
+        604800.0,
+        gt=0,
+        description="A measured acceptance older than this (SD off for long) is replaced by the prior. A week: the last measurement of this server's drafts is a better guess than a generic prior (a 6 h limit let a 0.6 prior re-enable SD at 0.38 measured, to be disabled again 20 minutes later).",
     )
     max_observation_age_s: float = Field(
         180.0, gt=0, description="Observations whose newest sample is older than this are stale: hold."
