@@ -35,6 +35,7 @@ log = structlog.get_logger("sd_controller.learning")
 
 SAVE_EVERY = 5  # posterior writes: every this many updates
 DRIFT_FORGET_SPEEDUP = 8.0  # how much faster the posterior forgets while the error is beyond threshold
+RHO_MAX = 0.95  # utilization beyond which a window teaches next to nothing (1/(1 − ρ) = 20)
 
 
 def correction_config(s: Settings) -> CorrectionConfig:
@@ -213,6 +214,7 @@ class Learner:
         rate = float(obs.arrival_rate_rps)
         completed = max(rate * self.settings.evaluation_interval_s, 1.0)
         noise = math.sqrt(self.settings.correction_noise**2 + (1.0 + a.workload.service_scv) / completed)
+        noise *= heavy_traffic_inflation(rate, a.stability_limit_on_rps if on else a.stability_limit_off_rps)
         before = self.posterior
         up = update(before, config, predict_log, mode, obs.mean_e2e_latency_s, noise, now)
         self.posterior = up.posterior
@@ -288,6 +290,21 @@ class Learner:
         en = a.acceptance.accepted_length if on else None
         off_c, on_c = curves(model, a.acceptance.alpha, a.draft_length, a.workload, en)
         return (on_c if on else off_c).latency_s(float(obs.arrival_rate_rps or 0.0))
+
+
+def heavy_traffic_inflation(rate_rps: float, limit_rps: float, rho_max: float = RHO_MAX) -> float:
+    """How much noisier one window's mean latency is at utilization ρ = rate / limit: 1/(1 − ρ).
+
+    Near capacity the queue relaxes over ~1/(μ(1 − ρ)²) seconds, so a minute's mean latency holds
+    far fewer independent samples than its completions, and the model is least certain there
+    too. Without this, the minutes of a busy server (mostly queue fluctuation) outvote the rest
+    and drag the factors far from the truth — a slower target and a faster draft "explaining"
+    a queue that would have formed anyway, which flips the predicted speedup of the idle mode.
+    """
+    if not (limit_rps > 0 and math.isfinite(limit_rps)):
+        return 1.0
+    rho = min(max(rate_rps / limit_rps, 0.0), rho_max)
+    return 1.0 / (1.0 - rho)
 
 
 def _round(xs: tuple[float, ...]) -> list[float]:

@@ -307,7 +307,11 @@ def decide(
         want_on and (math.isnan(t) or t > settings.enable_threshold)
     )
     since, since_enabled = persisted_since(
-        state.switch_wanted_since, state.switch_wanted_enabled, (not on) if signal else None, now
+        state.switch_wanted_since,
+        state.switch_wanted_enabled,
+        (not on) if signal else None,
+        now,
+        holding=_short_of_release(settings, state, on, s, t),
     )
     if (since, since_enabled) != (state.switch_wanted_since, state.switch_wanted_enabled):
         state = dataclasses.replace(state, switch_wanted_since=since, switch_wanted_enabled=since_enabled)
@@ -375,6 +379,18 @@ def decide(
             )
     action = Action.DISABLE if want_off else Action.ENABLE
     return out(action, reason, detail, not on, state)
+
+
+def _short_of_release(settings: PolicyConfig, state: ControllerState, on: bool, s: float, t: float) -> bool:
+    """Whether a switch signal that lapsed this tick is still short of the hysteresis band's
+    middle (both the decision's speedup and the trend's): its persistence clock keeps running."""
+    mid = (settings.disable_threshold + settings.enable_threshold) / 2.0
+    if state.switch_wanted_enabled is None or state.switch_wanted_enabled == on:
+        return False
+    speeds = [x for x in (s, t) if not math.isnan(x)]
+    if on:
+        return all(x < mid for x in speeds)
+    return all(x > mid for x in speeds)
 
 
 @dataclass(frozen=True)

@@ -55,14 +55,23 @@ def excursion_filter_s(
 
 
 def persisted_since(
-    since: float | None, since_enabled: bool | None, want_enabled: bool | None, now: float
+    since: float | None,
+    since_enabled: bool | None,
+    want_enabled: bool | None,
+    now: float,
+    holding: bool = False,
 ) -> tuple[float | None, bool | None]:
     """When the current switch signal started: ``(since, direction)``.
 
     ``want_enabled`` is the state the signal asks for (None: no signal this tick). A signal that
-    disappears or changes direction starts over: an oscillating load never accumulates time.
+    changes direction starts over, and so does one that disappears, unless ``holding``: the
+    speedup fell back inside the hysteresis band but not past its middle. Like a Schmitt
+    trigger, that keeps a minute of rate noise on a lasting load from restarting the clock
+    forever, while a load that really comes back (a spike that ends) still resets it.
     """
     if want_enabled is None:
+        if holding and since is not None and since_enabled is not None and since <= now:
+            return since, since_enabled
         return None, None
     if since is not None and since_enabled == want_enabled and since <= now:
         return since, want_enabled

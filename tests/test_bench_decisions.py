@@ -80,6 +80,18 @@ def test_oracle_from_a_start_state_is_never_worse_than_staying_put():
         assert o.engine.scenario.engine.initial_sd is start
 
 
+def test_no_oracle_plan_restarts_inside_the_warm_up():
+    """A restart at t=0 on an empty server hides its outage in the unmeasured warm-up: the
+    oracle's plans keep the launch state until the measurement starts, as the controller must."""
+    sc = scenarios.load(str(TINY))
+    costs = decisions.truth_costs()
+    on = runner.run_static(sc, costs, True, warmup_s=120)
+    off = runner.run_static(sc, costs, False, warmup_s=120)
+    for start in (True, False):
+        o = run_oracle_from(sc, costs, on, off, start, TINY_LIMITS.off_rps, TINY_LIMITS.on_rps)
+        assert all(t0 >= 120.0 for t0, *_ in o.engine.restart_log)
+
+
 @pytest.mark.slow
 def test_measured_limits_are_ordered_and_in_range():
     sc = scenarios.load(str(TINY))

@@ -11,7 +11,7 @@ from controller.calibration import load
 from controller.correction import scaled_model
 from controller.evidence import Excluded, FileEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
-from controller.learning import SAVE_EVERY, FilePosteriorStore, Learner
+from controller.learning import SAVE_EVERY, FilePosteriorStore, Learner, heavy_traffic_inflation
 from controller.loop import Controller
 from controller.model import Workload, curves
 from controller.observation import Observation
@@ -176,3 +176,18 @@ def test_online_correction_off_keeps_the_calibration_and_still_records(tmp_path)
     results = run(ctl, now, 20)
     assert ctl.learner.model is BASE and ctl.learner.posterior.evidence == 0
     assert {r.learned.record.excluded for r in results} == {Excluded.DISABLED}
+
+
+@pytest.mark.parametrize(
+    ("rate", "limit", "expected"),
+    [
+        (0.0, 10.0, 1.0),  # idle: a window's mean is as good as its completions say
+        (5.0, 10.0, 2.0),  # half busy
+        (9.0, 10.0, 10.0),  # 90 %: the queue's slow fluctuations dominate a minute's mean
+        (12.0, 10.0, 20.0),  # past the limit: capped (ρ ≤ 0.95), never infinite or negative
+        (5.0, math.inf, 1.0),  # no limit known
+        (5.0, 0.0, 1.0),
+    ],
+)
+def test_a_busy_window_teaches_less(rate, limit, expected):
+    assert heavy_traffic_inflation(rate, limit) == pytest.approx(expected)

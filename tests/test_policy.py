@@ -385,6 +385,24 @@ def test_a_spike_shorter_than_a_restart_never_switches():
     assert state.switch_wanted_since is None  # the signal ended with the spike
 
 
+@pytest.mark.parametrize(
+    ("dip", "acts"),
+    [
+        (1.10, True),  # rate noise lifts the speedup to 1.10, under the band's middle (1.125): still wanted
+        (1.20, False),  # back above the middle: the load came back, the clock starts over
+    ],
+)
+def test_noise_inside_the_hysteresis_band_does_not_restart_the_excursion_clock(dip, acts):
+    """SD loses for 3 minutes on a lasting load; every other tick a noisy rate lifts the
+    speedup to ``dip``. The 120 s filter is outlasted only if the dips do not reset it."""
+    state, acted = on_state(), False
+    for i in range(7):
+        t = T0 + 30 * i
+        d, state = decide(RISK, state, obs(t=t), risky(0.95 if i % 2 == 0 else dip), AUTO, t)
+        acted = acted or d.acts
+    assert acted is acts
+
+
 def test_oscillating_signal_never_accumulates():
     state = on_state()
     for i in range(40):

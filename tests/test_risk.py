@@ -41,6 +41,20 @@ def test_persisted_since(since, since_dir, want, now, expected):
     assert persisted_since(since, since_dir, want, now) == expected
 
 
+@pytest.mark.parametrize(
+    ("since", "since_dir", "want", "holding", "expected"),
+    [
+        (T0 - 50, False, None, True, (T0 - 50, False)),  # lapsed inside the band: the clock runs on
+        (T0 - 50, False, None, False, (None, None)),  # lapsed past the band's middle: forgotten
+        (None, None, None, True, (None, None)),  # nothing to hold
+        (T0 - 50, False, True, True, (T0, True)),  # reversed: starts over, holding or not
+        (T0 + 50, False, None, True, (None, None)),  # a start in the future is not held
+    ],
+)
+def test_persisted_since_holds_a_signal_that_lapses_inside_the_band(since, since_dir, want, holding, expected):
+    assert persisted_since(since, since_dir, want, T0, holding=holding) == expected
+
+
 def test_record_rate_keeps_the_bucket_maximum_and_drops_old_buckets():
     h = ()
     for t, r in [(0, 1.0), (100, 3.0), (299, 2.0), (300, 5.0), (900, 4.0)]:

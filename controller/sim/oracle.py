@@ -6,9 +6,10 @@ what :func:`controller.switch_cost.backlog_cost` says for that interval's rate, 
 restart's outage (drain + downtime) and the new state's capacity from the model. Dynamic
 programming over (interval, state) gives the cheapest schedule, which is then *replayed through
 the simulator* (:func:`controller.sim.runner.run_schedule`) so its realized latency is
-comparable with the controller's. The oracle is given the launch state: a schedule that wants
-the other state first pays a restart at t=0. It is the best (by realized mean latency) of the
-DP replays and the two start-aware static schedules (stay as launched; switch once at t=0).
+comparable with the controller's. The oracle is given the launch state, which holds through the
+warm-up (no plan restarts before the measurement starts). It is the best (by realized mean
+latency) of the DP replays and the two start-aware simple schedules (stay as launched; switch
+once as the warm-up ends).
 """
 
 from __future__ import annotations
@@ -106,14 +107,20 @@ def run_oracle_from(
     ``server`` is what the engine runs on (a LatencyModel or a StepCosts); ``mu_off``/``mu_on``
     its capacities (req/s), which price a switch's backlog. Per-minute costs of the two static
     runs plus switch costs (scaled by each of ``switch_weights``) give DP schedules; each is
-    replayed through the simulator from ``start_on`` (a schedule that wants the other state
-    first pays a restart at t=0), and so are "stay as launched" and "switch once at t=0". The
+    replayed through the simulator from ``start_on``, and so are "stay as launched" and "switch
+    once, as the warm-up ends". No plan restarts inside the warm-up. The
     oracle is the replay with the lowest realized mean latency.
     """
     c_on, c_off = interval_costs(always_on, interval_s), interval_costs(always_off, interval_s)
     n = len(c_on)
     switch_into = switch_costs(scenario, n, interval_s, mu_off, mu_on)
-    schedules: list[tuple[bool, ...]] = [(start_on,) * n, (not start_on,) * n]
+    # The launch state holds through the warm-up: a restart at t=0 on an empty server, whose
+    # outage and backlog fall inside the unmeasured warm-up, would price a wrong launch state at
+    # nothing. The measured run starts with the launched server under its load, as the
+    # controller's does (and the controller cannot restart earlier either).
+    hold = min(n, math.ceil(always_on.warmup_s / interval_s))
+    switch_into[:hold] = 1e12
+    schedules: list[tuple[bool, ...]] = [(start_on,) * n, (start_on,) * hold + (not start_on,) * (n - hold)]
     for w in switch_weights:
         sched = tuple(best_schedule(c_off, c_on, w * switch_into, start_on))
         if sched not in schedules:
