@@ -21,16 +21,27 @@ from controller.model import (
     throughput_at_batch,
 )
 from controller.observation import Observation
-from controller.risk import backlog_drain_s, excursion_filter_s, expected_peak, forecast_peak, forecast_time_to
+from controller.risk import (
+    backlog_drain_s,
+    excursion_filter_s,
+    expected_peak,
+    forecast_peak,
+    forecast_time_to,
+    history_slope,
+)
 from controller.state import ControllerState
 from controller.switch_cost import (
     downtime_estimate,
     gain_horizon,
+    path_gain,
     projected_rate,
     switch_cost,
     switch_gain,
     trend_slope,
 )
+
+
+GAIN_PATH_POINTS = 4  # midpoints along the fitted load line at which a switch's gain is summed
 
 
 class AcceptanceSource(StrEnum):
@@ -175,7 +186,6 @@ def assess(
 
     downtime = downtime_estimate(state.restart_durations_s, settings.restart_downtime_s)
     currently_on = bool(applied_enabled)
-    lat_cur = eval_p.latency_on_s if currently_on else eval_p.latency_off_s
     lat_new = eval_p.latency_off_s if currently_on else eval_p.latency_on_s
     cap_cur = eval_p.stability_limit_on_rps if currently_on else eval_p.stability_limit_off_rps
     cap_new = eval_p.stability_limit_off_rps if currently_on else eval_p.stability_limit_on_rps
@@ -197,8 +207,6 @@ def assess(
     # A full batch with a queue behind it is the congested branch, whatever the fluid model's
     # smallest fixed point says: the current state is overloaded in fact.
     congested = obs.running is not None and obs.running >= 0.95 * cap_m and (obs.waiting or 0.0) > 0.0
-    if congested:
-        lat_cur = math.inf
     decision_speedup = eval_p.speedup
     if not currently_on and settings.enable_on_pessimistic_speedup and not math.isnan(eval_p.speedup_lo):
         # Enabling is a restart on the model's word: take the end of its interval that argues
@@ -206,27 +214,48 @@ def assess(
         decision_speedup = eval_p.speedup_lo
     if congested and currently_on:
         decision_speedup = 0.0  # SD is the state that fell behind
+    remembered = sd_congestion_remembered(state, settings, now)
+
+    def priced(r: float, p) -> tuple[float, float, float, float, float]:
+        """(rate, latency now-state, latency new-state, their capacities) as the gain counts them."""
+        lc, ln = (p.latency_on_s, p.latency_off_s) if currently_on else (p.latency_off_s, p.latency_on_s)
+        cc, cn = (
+            (p.stability_limit_on_rps, p.stability_limit_off_rps)
+            if currently_on
+            else (p.stability_limit_off_rps, p.stability_limit_on_rps)
+        )
+        # The fluid model's latency is optimistic next to a stability limit (arrival bursts
+        # queue); past the headroom a state counts as overloaded, so leaving it is always worth
+        # a restart.
+        if r > settings.capacity_headroom * cc:
+            lc = math.inf
+        if r > settings.capacity_headroom * cn:
+            ln = math.inf
+        # What the model cannot know, experience does: SD seen congested at some rate is treated
+        # as overloaded above a margin of it for a while (a model that overrates SD at a full
+        # batch would otherwise re-enable it into the same collapse).
+        if remembered and r >= settings.congestion_margin * (state.sd_congested_rate_rps or 0.0):
+            if currently_on:
+                lc = math.inf
+            else:
+                ln = math.inf
+        return r, lc, ln, cc, cn
+
+    here = priced(eval_rate, eval_p)
+    if congested:
+        here = (here[0], math.inf, *here[2:])
+    # The trend the gain follows: a line through the last hour of the rate history when there
+    # is one, else the two rate windows (noisy: used for the horizon only).
+    fitted = history_slope(state.rate_history, now)
+    slope = (
+        fitted
+        if fitted is not None
+        else trend_slope(rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s)
+    )
     # The new state pays off until the load trend would switch it back: SD just enabled lasts
     # until load rises to the disable break-even; SD just disabled until load falls to enable's.
-    slope = trend_slope(rate, obs.arrival_rate_long_rps, settings.rate_window_s, settings.long_window_s)
     undo = bes[settings.enable_threshold if currently_on else settings.disable_threshold]
     undo_rate = undo.rate_rps if not undo.always_above else None
-    # The fluid model's latency is optimistic next to a stability limit (arrival bursts queue);
-    # past the headroom a state counts as overloaded, so leaving it is always worth a restart.
-    if eval_rate > settings.capacity_headroom * cap_cur:
-        lat_cur = math.inf
-    if eval_rate > settings.capacity_headroom * cap_new:
-        lat_new = math.inf
-    # What the model cannot know, experience does: SD seen congested at some rate is treated as
-    # overloaded above a margin of it for a while (a model that overrates SD at a full batch
-    # would otherwise re-enable it into the same collapse).
-    if sd_congestion_remembered(state, settings, now) and eval_rate >= settings.congestion_margin * (
-        state.sd_congested_rate_rps or 0.0
-    ):
-        if currently_on:
-            lat_cur = math.inf
-        else:
-            lat_new = math.inf
     horizon = gain_horizon(
         eval_rate,
         slope,
@@ -250,7 +279,20 @@ def assess(
             until = forecast_time_to(state.rate_history, now, settings.gain_horizon_max_s, r_back)
             if until is not None:
                 horizon = min(horizon, max(until, settings.dwell_s))
-    gain = switch_gain(eval_rate, horizon, lat_cur, lat_new, cap_cur, cap_new)
+    if fitted is None or fitted == 0.0 or congested or not settings.price_switches:
+        gain = switch_gain(eval_rate, horizon, *here[1:])
+    else:
+        # A load that keeps rising makes staying with SD worse hour by hour (and a falling one
+        # better): the gain follows the fitted line over the horizon, never above the expected
+        # peak (or twice the load plus one request per second without one) and never below half
+        # the load (a line fitted to an evening does not run on to zero).
+        top = max(eval_rate, peak) if peak is not None else 2.0 * eval_rate + 1.0
+        step = horizon / GAIN_PATH_POINTS
+        path = []
+        for k in range(GAIN_PATH_POINTS):
+            r = min(max(eval_rate + fitted * (k + 0.5) * step, 0.5 * eval_rate), top)
+            path.append(priced(r, predict_point(model, r, acc.alpha, gamma_on, workload, en)) if r > 0 else here)
+        gain = path_gain(path, step)
     now_cur = now_p.latency_on_s if currently_on else now_p.latency_off_s
     return Assessment(
         arrival_rate_rps=rate,

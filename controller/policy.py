@@ -27,13 +27,12 @@ from controller.config import OverrideMode, PolicyConfig
 from controller.events import Event, EventKind
 from controller.hooks.base import HookPhase, HookStatus
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
-from controller.risk import in_startup_hold, persisted_since, record_rate
+from controller.risk import HISTORY_BUCKET_S, in_startup_hold, persisted_since, record_rate
 from controller.state import ControllerState, PendingChange
 
 MAX_RESTART_DURATIONS = 20
-# The rate history the forecast reads: one bucket per 5 minutes, eight days (yesterday and
-# the same weekday last week, with room): at most 2305 pairs in the state file.
-HISTORY_BUCKET_S = 300.0
+# The rate history the forecast reads: eight days (yesterday and the same weekday last week,
+# with room) of HISTORY_BUCKET_S buckets.
 HISTORY_KEEP_S = 8 * 86_400.0
 
 

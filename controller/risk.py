@@ -26,6 +26,11 @@ DAY_S = 86_400.0
 FORECAST_LAGS_S = (DAY_S, 7 * DAY_S)
 
 RateHistory = tuple[tuple[float, float], ...]  # (bucket start, highest rate seen in it), ascending
+# The history's resolution: one bucket per 5 minutes (eight days: at most 2305 pairs).
+HISTORY_BUCKET_S = 300.0
+# The load trend a switch's gain follows: a least-squares line through the last hour's buckets.
+TREND_FIT_S = 3600.0
+TREND_MIN_BUCKETS = 6
 
 
 def backlog_drain_s(rate_rps: float, downtime_s: float, capacity_rps: float) -> float:
@@ -97,6 +102,33 @@ def record_rate(history: RateHistory, now: float, rate_rps: float, bucket_s: flo
     cutoff = now - keep_s
     first = next((i for i, (t, _) in enumerate(items) if t >= cutoff), len(items))
     return tuple(items[first:])
+
+
+def history_slope(
+    history: RateHistory,
+    now: float,
+    bucket_s: float = HISTORY_BUCKET_S,
+    window_s: float = TREND_FIT_S,
+    min_buckets: int = TREND_MIN_BUCKETS,
+) -> float | None:
+    """The load trend in req/s per second: least-squares slope through the complete buckets of
+    the last ``window_s``; None with fewer than ``min_buckets`` of them.
+
+    Two rate windows (a minute against a quarter hour) give a slope whose noise, carried over
+    the hours a switch is priced for, is larger than any real trend; a line through an hour of
+    buckets is ten times steadier. The bucket still filling is left out (its maximum so far is
+    biased low), and so are buckets older than the window.
+    """
+    pts = [(t, r) for t, r in history if t >= now - window_s and t + bucket_s <= now]
+    if len(pts) < max(min_buckets, 2):
+        return None
+    n = len(pts)
+    mt = sum(t for t, _ in pts) / n
+    mr = sum(r for _, r in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    if var <= 0.0:
+        return None
+    return sum((t - mt) * (r - mr) for t, r in pts) / var
 
 
 def _window(history: RateHistory, lo: float, hi: float) -> list[tuple[float, float]]:

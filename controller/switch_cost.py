@@ -79,6 +79,21 @@ def switch_gain(
     return rate_rps * horizon_s * (latency_current_s - latency_new_s)
 
 
+def path_gain(points: Sequence[tuple[float, float, float, float, float]], step_s: float) -> float:
+    """Request-seconds saved along a load path: :func:`switch_gain` summed over its points, each
+    ``(rate, latency_current, latency_new, capacity_current, capacity_new)`` held ``step_s``.
+
+    Any point that enters an overload the current state avoids makes the switch worth nothing
+    (−inf) — whatever the rest gains; otherwise any point that leaves one makes it worth anything.
+    """
+    gains = [switch_gain(r, step_s, lc, ln, cc, cn) for r, lc, ln, cc, cn in points]
+    if any(g == -math.inf for g in gains):
+        return -math.inf
+    if any(g == math.inf for g in gains):
+        return math.inf
+    return float(sum(gains))
+
+
 def projected_rate(
     short_rps: float, long_rps: float | None, short_window_s: float, long_window_s: float, ahead_s: float
 ) -> float:

@@ -8,6 +8,7 @@ from controller.calibration import load
 from controller.model import Workload, predict_point
 from controller.observation import Observation
 from controller.settings import Settings
+from controller.sim.demo_truth import truth_calibration_path
 from controller.state import ControllerState
 from tests.support import LEGACY_CALIBRATION
 
@@ -69,6 +70,30 @@ def test_rising_trend_projects_higher_and_shortens_sd_gain():
     # A falling trend is not believed for the decision rate (conservative toward SD overload).
     falling = Observation(T, 10.0, arrival_rate_long_rps=14.0, acceptance_rate=0.6, mean_draft_tokens=4.0)
     assert assess(MODEL, S, off, falling, False, None, T).projected_rate_rps == 10.0
+
+
+def _history(start_rps: float, slope_rps_per_h: float, hours: float = 1.0) -> tuple[tuple[float, float], ...]:
+    """Complete 5-minute buckets of the last ``hours`` on a straight line ending now."""
+    n = int(hours * 12)
+    return tuple((T - (n - k) * 300.0, start_rps + slope_rps_per_h * (k - n) / 12.0) for k in range(n))
+
+
+@pytest.mark.parametrize(("slope", "more"), [(2.0, True), (-2.0, False)])
+def test_a_fitted_trend_carries_the_gain_of_disabling_along_the_load_line(slope, more):
+    """SD on at 9 req/s: if the last hour rose 2 req/s per hour, staying gets worse by the hour,
+    so switching off now gains more than the flat load says; a falling hour gains less."""
+    model = load(truth_calibration_path()).latency_model()  # SD breaks even near 8 req/s here
+    obs = Observation(
+        T, 9.0, arrival_rate_long_rps=9.0, acceptance_rate=0.38, mean_draft_tokens=4.0,
+        mean_prompt_tokens=1000.0, mean_gen_tokens=280.0,
+    )  # fmt: skip
+    flat = ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=_history(9.0, 0.0))
+    trend = ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=_history(9.0, slope))
+    g_flat = assess(model, S, flat, obs, True, 4, T).projected_gain_request_s
+    g_trend = assess(model, S, trend, obs, True, 4, T).projected_gain_request_s
+    assert g_flat > 0  # SD loses at 9 req/s: switching off gains
+    assert (g_trend > g_flat) is more
+    assert g_trend != g_flat
 
 
 def test_single_replica_restart_near_saturation_costs_more_than_it_gains():

@@ -12,6 +12,7 @@ from controller.risk import (
     forecast_peak,
     forecast_time_to,
     in_startup_hold,
+    history_slope,
     persisted_since,
     record_rate,
 )
@@ -141,3 +142,20 @@ def test_the_filter_waits_for_the_backlog_near_capacity_and_is_capped():
     assert excursion_filter_s(75.0, 30.0, None, backlog_drain_s(14.8, 75.0, 15.2), 3600.0) == pytest.approx(2880.0)
     assert excursion_filter_s(75.0, 30.0, None, math.inf, 3600.0) == 3600.0
     assert excursion_filter_s(75.0, 30.0, 10.0, math.inf, 3600.0) == 10.0  # the operator's value wins
+
+
+@pytest.mark.parametrize(
+    ("points", "now", "expected"),
+    [
+        ([(k * 300.0, 2.0 + k) for k in range(12)], 3600.0, 1.0 / 300.0),  # +1 req/s per bucket
+        ([(k * 300.0, 5.0) for k in range(12)], 3600.0, 0.0),  # flat
+        ([(k * 300.0, 2.0 + k) for k in range(5)], 1500.0, None),  # too few complete buckets
+        # the bucket still filling (its max so far biased low) is left out: the line stays exact
+        ([(k * 300.0, 2.0 + k) for k in range(12)] + [(3600.0, 0.0)], 3700.0, 1.0 / 300.0),
+        ([(k * 300.0, 2.0 + k) for k in range(24)], 7200.0, 1.0 / 300.0),  # only the last hour
+        ([], 3600.0, None),
+    ],
+)
+def test_history_slope_fits_the_last_hour_of_complete_buckets(points, now, expected):
+    got = history_slope(tuple(points), now)
+    assert got == (None if expected is None else pytest.approx(expected))

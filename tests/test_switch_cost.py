@@ -5,6 +5,7 @@ import math
 import pytest
 
 from controller.switch_cost import (
+    path_gain,
     backlog_cost,
     downtime_estimate,
     gain_horizon,
@@ -78,3 +79,16 @@ def test_downtime_estimate():
     assert downtime_estimate([], 90.0) == 90.0
     assert downtime_estimate([60, 70, 500], 90.0) == 70  # median: one slow restart does not dominate
     assert downtime_estimate([float("nan"), -1, 40], 90.0) == 40
+
+
+@pytest.mark.parametrize(
+    ("points", "expected"),
+    [
+        ([(2.0, 3.0, 2.0, 10.0, 9.0), (4.0, 4.0, 2.5, 10.0, 9.0)], 2.0 * 1.0 * 10 + 4.0 * 1.5 * 10),  # summed
+        ([(2.0, 3.0, 2.0, 10.0, 9.0), (9.5, math.inf, 5.0, 9.0, 10.0)], math.inf),  # the path leaves an overload
+        ([(2.0, 3.0, 2.0, 10.0, 9.0), (9.5, 5.0, math.inf, 10.0, 9.0)], -math.inf),  # ...or enters one
+        ([(9.5, math.inf, 5.0, 9.0, 10.0), (9.8, 5.0, math.inf, 10.0, 9.0)], -math.inf),  # entering wins
+    ],
+)
+def test_path_gain(points, expected):
+    assert path_gain(points, 10.0) == expected
