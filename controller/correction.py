@@ -251,6 +251,10 @@ def update(
     p = posterior.covariance(config)
     active = [0, 1] if mode == "off" else [0, 1, 2, 3]
     base = predict_log(tuple(math.exp(x) for x in m))
+    if not math.isfinite(base):
+        # The exact posterior sits past a stability limit at this load (the model the tick used
+        # had rounded factors): there is no gradient to follow, so this tick teaches nothing.
+        return Update(posterior, math.nan, 0.0, ())
     jac = np.zeros(4)
     for k in active:
         mk = m.copy()
@@ -260,7 +264,9 @@ def update(
             jac[k] = (up - base) / FD_STEP
         else:  # past a stability limit one way: differentiate the other way
             mk[k] -= 2 * FD_STEP
-            jac[k] = (base - predict_log(tuple(math.exp(x) for x in mk))) / FD_STEP
+            down = predict_log(tuple(math.exp(x) for x in mk))
+            # Both ways overloaded (a knife edge): this term gets no gradient, never a NaN.
+            jac[k] = (base - down) / FD_STEP if math.isfinite(down) else 0.0
     r = math.log(observed_latency_s) - base
     s2 = float(jac @ p @ jac) + noise_log_sd**2
     z = abs(r) / math.sqrt(s2)

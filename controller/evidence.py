@@ -43,6 +43,7 @@ class Excluded:
     SETTLING = "settling_after_restart"
     NO_LATENCY = "no_observed_latency"
     NO_LOAD = "no_load"
+    UNSTEADY = "load_not_steady"
     NO_ACCEPTANCE = "acceptance_not_measured"
     OVERLOADED = "predicted_overloaded"
     CONGESTED = "congested"

@@ -35,6 +35,7 @@ log = structlog.get_logger("sd_controller.learning")
 
 SAVE_EVERY = 5  # posterior writes: every this many updates
 DRIFT_FORGET_SPEEDUP = 8.0  # how much faster the posterior forgets while the error is beyond threshold
+STEADY_TOLERANCE = 0.1  # the load counts as steady within ±10 % (plus Poisson noise) of its long mean
 RHO_MAX = 0.95  # utilization beyond which a window teaches next to nothing (1/(1 − ρ) = 20)
 
 
@@ -278,6 +279,8 @@ class Learner:
             return Excluded.NO_LATENCY
         if obs.arrival_rate_rps is None or obs.arrival_rate_rps <= 0:
             return Excluded.NO_LOAD
+        if not steady_load(obs.arrival_rate_rps, obs.arrival_rate_long_rps, obs.arrival_rate_peak_rps, s.rate_window_s):
+            return Excluded.UNSTEADY
         if state.applied_enabled and a.acceptance.source is not AcceptanceSource.MEASURED:
             return Excluded.NO_ACCEPTANCE
         if not math.isfinite(predicted):
@@ -290,6 +293,30 @@ class Learner:
         en = a.acceptance.accepted_length if on else None
         off_c, on_c = curves(model, a.acceptance.alpha, a.draft_length, a.workload, en)
         return (on_c if on else off_c).latency_s(float(obs.arrival_rate_rps or 0.0))
+
+
+def steady_load(
+    rate_rps: float,
+    long_rps: float | None,
+    peak_rps: float | None,
+    window_s: float,
+    tolerance: float = STEADY_TOLERANCE,
+) -> bool:
+    """Whether the load held still over the long window: the short window's rate and the
+    highest one within the long window both lie within ``tolerance`` (plus three Poisson
+    standard deviations of a window's count) of the long window's mean.
+
+    The model predicts the latency of a load that stays; a window after a step or inside an
+    oscillation measures a queue filling or emptying. Fitted as if it were stationary, such
+    windows drag the factors far off (an oscillating load made a slower fixed cost and a faster
+    per-token one "explain" its latencies, and SD looked 1.45× better than it was).
+    """
+    if long_rps is None or long_rps <= 0:
+        return True  # no long window to compare with: nothing says it moved
+    band = tolerance * long_rps + 3.0 * math.sqrt(long_rps / max(window_s, 1e-9))
+    if abs(rate_rps - long_rps) > band:
+        return False
+    return peak_rps is None or peak_rps - long_rps <= band
 
 
 def heavy_traffic_inflation(rate_rps: float, limit_rps: float, rho_max: float = RHO_MAX) -> float:

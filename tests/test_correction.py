@@ -157,6 +157,20 @@ def test_update_refuses_bad_evidence():
         update(Posterior(), CFG, predictor(False, 1.0), "sideways", 1.0, 0.05, T0)
 
 
+@pytest.mark.parametrize(
+    "predict_log",
+    [
+        lambda f: math.inf,  # the exact posterior is already past a stability limit
+        lambda f: 0.0 if f == (1.0, 1.0, 1.0, 1.0) else math.inf,  # overloaded both ways (a knife edge)
+    ],
+)
+def test_an_update_at_a_stability_limit_never_poisons_the_posterior(predict_log):
+    for mode in ("off", "on"):
+        up = update(Posterior(), CFG, predict_log, mode, 2.0, 0.05, T0)
+        assert all(math.isfinite(x) for x in up.posterior.mean)
+        assert np.all(np.isfinite(up.posterior.covariance(CFG)))
+
+
 def test_paper_fit_recovers_its_constants():
     rates = np.array([1.0, 2.0, 4.0, 6.0])
     c1, c2 = paper_fit(rates, 3.0 / (1 - rates * 0.1))

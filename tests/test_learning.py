@@ -11,7 +11,7 @@ from controller.calibration import load
 from controller.correction import scaled_model
 from controller.evidence import Excluded, FileEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
-from controller.learning import SAVE_EVERY, FilePosteriorStore, Learner, heavy_traffic_inflation
+from controller.learning import SAVE_EVERY, FilePosteriorStore, Learner, heavy_traffic_inflation, steady_load
 from controller.loop import Controller
 from controller.model import Workload, curves
 from controller.observation import Observation
@@ -191,3 +191,19 @@ def test_online_correction_off_keeps_the_calibration_and_still_records(tmp_path)
 )
 def test_a_busy_window_teaches_less(rate, limit, expected):
     assert heavy_traffic_inflation(rate, limit) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("rate", "long", "peak", "steady"),
+    [
+        (9.0, 9.0, 9.6, True),  # a steady load: the minute's peak within Poisson noise
+        (9.4, 9.0, None, True),  # no peak reported
+        (12.0, 9.0, 12.0, False),  # a step up in the last minute
+        (9.0, 9.0, 12.0, False),  # oscillating: back at the mean now, but it peaked at 12
+        (6.0, 9.0, 9.5, False),  # a step down
+        (2.6, 2.0, 2.6, True),  # low load: a minute holds 120 requests, ±30 % is noise
+        (5.0, None, None, True),  # no long window: nothing says it moved
+    ],
+)
+def test_steady_load(rate, long, peak, steady):
+    assert steady_load(rate, long, peak, 60.0) is steady
