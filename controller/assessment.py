@@ -40,7 +40,6 @@ from controller.switch_cost import (
     trend_slope,
 )
 
-
 GAIN_PATH_POINTS = 4  # midpoints along the fitted load line at which a switch's gain is summed
 
 

@@ -11,8 +11,8 @@ from controller.risk import (
     expected_peak,
     forecast_peak,
     forecast_time_to,
-    in_startup_hold,
     history_slope,
+    in_startup_hold,
     persisted_since,
     record_rate,
 )

@@ -5,10 +5,10 @@ import math
 import pytest
 
 from controller.switch_cost import (
-    path_gain,
     backlog_cost,
     downtime_estimate,
     gain_horizon,
+    path_gain,
     projected_rate,
     switch_cost,
     switch_gain,
