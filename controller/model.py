@@ -281,7 +281,7 @@ class Workload:
 # shares its steps with the B = λ·T others and with itself), so the pieces are kept as functions
 # of that shifted B from the start: a knee k of a pass over per_seq·(B + 1) + extra tokens is a
 # hinge at (k − extra)/per_seq − 1. A hinge at or below 0 is active on all of B ≥ 0 and folds
-# into the line: c0 −= w·at, c1 += w (the same step that switches a hinge on in _segments).
+# into the line: c0 −= w·at, c1 += w (the same step that switches a hinge on in _sweep).
 
 Hinge = tuple[float, float]  # (at, w): w·max(0, B − at)
 _AT = operator.itemgetter(0)
@@ -393,21 +393,35 @@ def _mode_terms(model: LatencyModel, sd: bool, draft_length: float) -> _ModeTerm
     )
 
 
-def _segments(step: list[float], prompt: list[float], hinges: list[tuple[float, float, bool]], steps: float, cap: float):
-    """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap] as segments (start, end, c0, c1, c2),
-    the lines (τ0, τ1, Δ0, Δ1) of τ and Δ on each, and the segments' ends (the last one +inf):
-    one sweep over the sorted hinges (``is_step``: a hinge of τ, else of Δ), each switching on
-    where its segment starts."""
+def _sweep(step: list[float], prompt: list[float], hinges: list[tuple[float, float, bool]], steps: float, cap: float):
+    """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap], in one sweep over the sorted hinges
+    (``is_step``: a hinge of τ, else of Δ), each switching on where its segment starts.
+
+    Returns the segments (start, end, c0, c1, c2), the lines (τ0, τ1, Δ0, Δ1) of τ and Δ on each,
+    the segments' ends (the last one +inf, for bisection), the highest throughput B/T(B) up to
+    each segment's end, and the (batch, throughput) where it peaks.
+    """
     m = steps + PREFILL_WAIT_STEPS
     s0, s1 = step
     d0, d1 = prompt
-    segments, lines, ends = [], [], []
-    lo = 0.0
+    segments, lines, ends, reach = [], [], [], []
+    best_b = best_h = top = lo = 0.0
     for at, w, is_step in (*hinges, (math.inf, 0.0, True)):
         if at > lo:  # the segment [lo, at) ends here
             hi = at if at < cap else cap
-            segments.append((lo, hi, m * s0 + d0, m * s1 + d0 + d1, d1))
+            c0, c1, c2 = m * s0 + d0, m * s1 + d0 + d1, d1
+            segments.append((lo, hi, c0, c1, c2))
             lines.append((s0, s1, d0, d1))
+            # B/T(B) on the segment peaks at its end or at √(c0/c2) inside.
+            bstar = math.sqrt(c0 / c2) if c2 > 0.0 and c0 > 0.0 else hi
+            for b in (hi, bstar) if lo < bstar < hi else (hi,):
+                t = c0 + c1 * b + c2 * b * b
+                h = b / t if t > 0 else math.inf
+                if h > best_h * (1.0 + 1e-12):
+                    best_b, best_h = b, h
+                if h > top:
+                    top = h
+            reach.append(top)
             if at >= cap:
                 ends.append(math.inf)
                 break
@@ -417,7 +431,7 @@ def _segments(step: list[float], prompt: list[float], hinges: list[tuple[float, 
             s0, s1 = s0 - w * at, s1 + w
         else:
             d0, d1 = d0 - w * at, d1 + w
-    return tuple(segments), tuple(lines), tuple(ends)
+    return tuple(segments), tuple(lines), tuple(ends), tuple(reach), best_b, best_h
 
 
 def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
@@ -489,30 +503,33 @@ class ModeCurve:
             return self.batch_bound
         if rate_rps <= 0.0:
             return 0.0
-        return self._fixed_point(rate_rps)
+        return self._solve(rate_rps)[0]
 
-    def _fixed_point(self, rate_rps: float) -> float:
+    def _solve(self, rate_rps: float) -> tuple[float, float]:
+        """(B, T(B)) at the fixed point, for a rate in (0, limit)."""
         segments = self.segments
         for i in range(bisect.bisect_left(self.reach, rate_rps * (1.0 - REACH_MARGIN)), len(segments)):
             lo, hi, c0, c1, c2 = segments[i]
             b = _fixed_point_on(rate_rps, c0, c1, c2)
             if b <= hi * (1.0 + 1e-12) + 1e-12 and b >= lo * (1.0 - 1e-12) - 1e-12:
-                return b
-        return self.batch_bound
+                return b, c0 + c1 * b + c2 * b * b
+        b = self.batch_bound
+        return b, _latency_at(segments, self.ends, b)
 
     def fluid_latency_s(self, rate_rps: float) -> float:
         if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
             return math.inf
         if rate_rps <= 0.0:
             return self.segments[0][2]
-        return _latency_at(self.segments, self.ends, self._fixed_point(rate_rps))
+        return self._solve(rate_rps)[1]
 
     def latency_s(self, rate_rps: float) -> float:
         """Mean time in system at this rate: fluid fixed point + heavy-traffic wait; inf past the limit."""
-        t = self.fluid_latency_s(rate_rps)
-        if math.isinf(t):
-            return t
-        return t + heavy_traffic_wait_s(
+        if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
+            return math.inf
+        if rate_rps <= 0.0:
+            return self.segments[0][2]  # no load: no wait
+        return self._solve(rate_rps)[1] + heavy_traffic_wait_s(
             rate_rps, self.stability_limit_rps, max(self.peak_batch, 1.0), self.service_s, self.service_scv
         )
 
@@ -534,24 +551,6 @@ class ModeCurve:
         tau = self.step(b)
         admitted = max(left, 0.0) / (prompt_tokens * tau) if tau > 0 else math.inf
         return min(done, admitted)
-
-
-def _throughput_peak(segments) -> tuple[float, float, tuple[float, ...]]:
-    """(batch, throughput) maximizing B/T(B) over the segments, and the highest throughput up to
-    each segment's end (B/T on a segment peaks at its end or at √(c0/c2) inside)."""
-    best_b, best_h = 0.0, 0.0
-    top, reach = 0.0, []
-    for lo, hi, c0, c1, c2 in segments:
-        bstar = math.sqrt(c0 / c2) if c2 > 0.0 and c0 > 0.0 else hi
-        for b in (hi, bstar) if lo < bstar < hi else (hi,):
-            t = c0 + c1 * b + c2 * b * b
-            h = b / t if t > 0 else math.inf
-            if h > best_h * (1.0 + 1e-12):
-                best_b, best_h = b, h
-            if h > top:
-                top = h
-        reach.append(top)
-    return best_b, best_h, tuple(reach)
 
 
 def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float) -> float:
@@ -615,8 +614,7 @@ def mode_curve(
         hinges.sort()
     g = max(float(workload.gen_tokens), 1.0)
     steps = (g - 1.0) / accepted_length
-    segments, lines, ends = _segments(step, prompt, hinges, steps, bound)
-    peak_b, peak_h, reach = _throughput_peak(segments)
+    segments, lines, ends, reach, peak_b, peak_h = _sweep(step, prompt, hinges, steps, bound)
     service = _latency_at(segments, ends, peak_b)
     curve = ModeCurve(segments, bound, peak_b, peak_h, scv, lines, ends, reach, service, steps, k)
     if model.max_num_batched_tokens is not None and p > 0:
@@ -632,6 +630,7 @@ def mode_curve(
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)  # a decision asks it for each γ at one α, every tick
 def _clamped_en(alpha: float, draft_length: int, accepted_length: float | None) -> float:
     en = float(_accepted_length(alpha, draft_length)) if accepted_length is None else float(accepted_length)
     return min(max(en, 1.0), draft_length + 1.0)
@@ -893,19 +892,18 @@ def best_draft_length(
         raise ValueError("draft length candidates must be integers >= 1")
     off = mode_curve(model, workload, False, 1.0, 0.0)
     t_off, mu_off = off.latency_s(rate_rps), off.stability_limit_rps
-    best: DraftChoice | None = None
-    best_overloaded: DraftChoice | None = None
+    best: tuple[int, float, float] | None = None
+    best_overloaded: tuple[int, float, float] | None = None
     for g in gammas:
         on = mode_curve(model, workload, True, _clamped_en(alpha, g, None), float(g))
         t_on = on.latency_s(rate_rps)
         s = _speedup_from(t_off, t_on, mu_off, on.stability_limit_rps)
-        choice = DraftChoice(g, s, t_on)
         if math.isinf(t_on):
-            if best_overloaded is None or s > best_overloaded.speedup:
-                best_overloaded = choice
-        elif best is None or t_on < best.latency_on_s:
-            best = choice
-    return best if best is not None else best_overloaded  # type: ignore[return-value]
+            if best_overloaded is None or s > best_overloaded[1]:
+                best_overloaded = (g, s, t_on)
+        elif best is None or t_on < best[2]:
+            best = (g, s, t_on)
+    return DraftChoice(*(best if best is not None else best_overloaded))  # type: ignore[misc]
 
 
 def throughput_at_batch(
