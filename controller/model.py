@@ -328,9 +328,7 @@ class _ModeTerms:
     prefill: StepCost | None  # schema 1: a prompt costs its stand-alone prefill instead
 
 
-def _add_pass(
-    line: list[float], hinges: list[Hinge], cost: StepCost, mult: float, per_seq: float
-) -> float:
+def _add_pass(line: list[float], hinges: list[Hinge], cost: StepCost, mult: float, per_seq: float) -> float:
     """Add ``mult`` passes of ``cost`` over ``per_seq·(B + 1)`` tokens of B + 1 sequences to
     ``line`` = [c0, c1] and ``hinges``; returns the passes' cost per KV token per sequence."""
     if mult == 0.0:

@@ -22,10 +22,10 @@ CASES = json.loads(FIXTURE.read_text())["cases"]
 
 
 def _close(got, want) -> bool:
-    if want is None or isinstance(want, bool) or isinstance(want, int) and not isinstance(got, float):
+    if want is None or isinstance(want, bool) or (isinstance(want, int) and not isinstance(got, float)):
         return got == want
     if math.isnan(want) or math.isinf(want):
-        return got == want or math.isnan(want) and math.isnan(got)
+        return got == want or (math.isnan(want) and math.isnan(got))
     return math.isclose(got, want, rel_tol=REL, abs_tol=1e-15)
 
 

@@ -79,18 +79,27 @@ MODELS = [
         "calibration": "example-calibration.json",
         "replace": {
             "verify": {**KNEED, "intercept_s": 0.011},
-            "prefill": {"intercept_s": 0.004, "slope_s_per_token": 1e-4, "knees_tokens": [200.0],
-                        "knee_slope_deltas": [-5e-5]},
+            "prefill": {
+                "intercept_s": 0.004,
+                "slope_s_per_token": 1e-4,
+                "knees_tokens": [200.0],
+                "knee_slope_deltas": [-5e-5],
+            },
             "max_num_batched_tokens": None,
             "kv_cache_tokens_on": None,
         },
-    },  # fmt: skip
+    },
     {
         "calibration": "example-calibration.json",
-        "replace": {"draft": {"intercept_s": 0.0, "slope_s_per_token": 0.0}, "draft_prefills": False,
-                    "sd_overhead_s": 0.0008, "max_num_batched_tokens": None, "kv_cache_tokens_off": None,
-                    "kv_cache_tokens_on": None},
-    },  # fmt: skip
+        "replace": {
+            "draft": {"intercept_s": 0.0, "slope_s_per_token": 0.0},
+            "draft_prefills": False,
+            "sd_overhead_s": 0.0008,
+            "max_num_batched_tokens": None,
+            "kv_cache_tokens_off": None,
+            "kv_cache_tokens_on": None,
+        },
+    },
     {
         "calibration": "example-calibration.json",
         "replace": {"target": KNEED, "max_num_seqs": 24, "max_num_batched_tokens": 2048},
