@@ -391,17 +391,19 @@ def _mode_terms(model: LatencyModel, sd: bool, draft_length: float) -> _ModeTerm
     )
 
 
-def _sweep(step: list[float], prompt: list[float], hinges: list[tuple[float, float, bool]], steps: float, cap: float):
-    """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap], in one sweep over the sorted hinges
-    (``is_step``: a hinge of τ, else of Δ), each switching on where its segment starts.
+def _sweep(
+    lines_at_0: tuple[float, float, float, float], hinges: list[tuple[float, float, bool]], steps: float, cap: float
+):
+    """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap], from the lines (τ0, τ1, Δ0, Δ1) in force
+    at B = 0 in one sweep over the sorted hinges (``is_step``: a hinge of τ, else of Δ), each
+    switching on where its segment starts.
 
     Returns the segments (start, end, c0, c1, c2), the lines (τ0, τ1, Δ0, Δ1) of τ and Δ on each,
     the segments' ends (the last one +inf, for bisection), the highest throughput B/T(B) up to
     each segment's end, and the (batch, throughput) where it peaks.
     """
     m = steps + PREFILL_WAIT_STEPS
-    s0, s1 = step
-    d0, d1 = prompt
+    s0, s1, d0, d1 = lines_at_0
     segments, lines, ends, reach = [], [], [], []
     best_b = best_h = top = lo = 0.0
     for at, w, is_step in (*hinges, (math.inf, 0.0, True)):
@@ -591,28 +593,28 @@ def mode_curve(
     kv = model.kv_cache_tokens_on if sd else model.kv_cache_tokens_off
     if kv is not None and kv > 0:
         bound = max(1.0, min(bound, kv / max(ctx, 1.0)))
-    # Only the hinges inside (0, bound) make segments; the rest fold or never act.
-    step = [terms.step0 + terms.step_ctx * ctx, terms.step1 + terms.step_ctx * ctx]
+    # Only the hinges inside (0, bound) make segments; the rest fold (as _add_hinge does) or never act.
+    s0, s1 = terms.step0 + terms.step_ctx * ctx, terms.step1 + terms.step_ctx * ctx
     hinges = [*terms.step_hinges[: bisect.bisect_left(terms.step_hinges, bound, key=_AT)]]
-    prompt = [0.0, 0.0]
+    d0 = d1 = 0.0
     p, k = float(workload.prompt_tokens), terms.step_tokens
     if p > 0:
-        prompt = [terms.prompt0 + terms.prompt_slope * mean_p + terms.prompt_pairs * pairs, terms.prompt1]
+        d0, d1 = terms.prompt0 + terms.prompt_slope * mean_p + terms.prompt_pairs * pairs, terms.prompt1
         if terms.prefill is not None:  # schema 1: stand-alone prefill slope, no mixed-step data
-            prompt[0] += terms.prefill.scalar(p, p) - terms.prefill.intercept_s
+            d0 += terms.prefill.scalar(p, p) - terms.prefill.intercept_s
         hinges += terms.prompt_hinges[: bisect.bisect_left(terms.prompt_hinges, bound, key=_AT)]
         for knee, w_knee in terms.prompt_knees:
             for w, x in nodes:
                 at = (knee - x) / k - 1.0
                 if at <= 0.0:
-                    prompt[0] -= w * w_knee * at
-                    prompt[1] += w * w_knee
+                    d0 -= w * w_knee * at
+                    d1 += w * w_knee
                 elif at < bound:
                     hinges.append((at, w * w_knee, False))
         hinges.sort()
     g = max(float(workload.gen_tokens), 1.0)
     steps = (g - 1.0) / accepted_length
-    segments, lines, ends, reach, peak_b, peak_h = _sweep(step, prompt, hinges, steps, bound)
+    segments, lines, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound)
     service = _latency_at(segments, ends, peak_b)
     curve = ModeCurve(segments, bound, peak_b, peak_h, scv, lines, ends, reach, service, steps, k)
     if model.max_num_batched_tokens is not None and p > 0:
