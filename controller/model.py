@@ -506,7 +506,8 @@ class ModeCurve:
         return self._solve(rate_rps)[0]
 
     def _solve(self, rate_rps: float) -> tuple[float, float]:
-        """(B, T(B)) at the fixed point, for a rate in (0, limit)."""
+        """(B, T(B)) at the fixed point, for a rate in (0, limit); T on the segment the root was
+        found on (neighbours agree at a shared end)."""
         segments = self.segments
         for i in range(bisect.bisect_left(self.reach, rate_rps * (1.0 - REACH_MARGIN)), len(segments)):
             lo, hi, c0, c1, c2 = segments[i]
