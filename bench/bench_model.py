@@ -8,10 +8,17 @@ further evaluation at another rate (what a tick does after its first), "fresh" p
 (a new workload, what the first evaluation of a tick pays).
 
     python bench/bench_model.py
+
+Instruction counts (deterministic, unlike times on a shared machine): ``--loop WHAT N`` only runs
+N calls of one figure; the difference between N and 0 under callgrind, divided by N, is one call:
+
+    PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1 valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        python bench/bench_model.py --loop fresh 100
 """
 
 from __future__ import annotations
 
+import argparse
 import platform
 import time
 
@@ -33,7 +40,28 @@ def per_call(fn, number: int, repeat: int = 7) -> float:
     return best
 
 
+def loop(what: str, n: int) -> None:
+    """``n`` calls of one figure, untimed (for an instruction counter)."""
+    model = calibration.load(example_calibration_path()).latency_model()
+    w = Workload(1000, 280, 200.0, 500.0)
+    fresh = [Workload(1000 + i * 1e-6, 280, 200.0, 500.0) for i in range(n)]
+    speedup_point(model, 6.0, 0.7, 4, w)
+    for fw in fresh:
+        if what in ("fresh", "repeated"):
+            speedup_point(model, 6.0, 0.7, 4, fw if what == "fresh" else w)
+        else:
+            dw = fw if what == "fresh-decision" else w
+            choice = best_draft_length(model, 6.0, 0.7, dw)
+            break_even_rates(model, 0.7, choice.draft_length, dw)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loop", nargs=2, metavar=("WHAT", "N"), help="fresh|repeated|decision|fresh-decision, calls")
+    args = parser.parse_args()
+    if args.loop:
+        loop(args.loop[0], int(args.loop[1]))
+        return
     cal = calibration.load(example_calibration_path())
     model = cal.latency_model()
     w = Workload(1000, 280, 200.0, 500.0)

@@ -27,8 +27,10 @@ Pure Python and numpy, no I/O. docs/model.md derives every term; in short:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -261,89 +263,28 @@ class Workload:
         g = max(self.gen_tokens, 1e-9)
         return self.gen_tokens_var / (g * g)
 
+    def curve_terms(self) -> tuple[float, float, float, float, tuple[tuple[float, float], ...]]:
+        """(mean_context_tokens, service_scv, E[P], prompt_pairs, prompt_nodes), computed once and
+        kept on the instance: every curve of a decision (both modes, each γ) reads them."""
+        terms = self.__dict__.get("_curve_terms")
+        if terms is None:
+            nodes = self.prompt_nodes
+            terms = (self.mean_context_tokens, self.service_scv, sum(w * x for w, x in nodes), self.prompt_pairs, nodes)
+            object.__setattr__(self, "_curve_terms", terms)
+        return terms
+
 
 # --------------------------------------------------------------------------------------------
-# T(B): piecewise linear pieces, then piecewise quadratic segments
+# T(B): piecewise linear τ(B) and Δ(B), then piecewise quadratic segments
 # --------------------------------------------------------------------------------------------
+# Both pieces are lines plus hinges w·max(0, B − at). Every step runs at batch B + 1 (a request
+# shares its steps with the B = λ·T others and with itself), so the pieces are kept as functions
+# of that shifted B from the start: a knee k of a pass over per_seq·(B + 1) + extra tokens is a
+# hinge at (k − extra)/per_seq − 1. A hinge at or below 0 is active on all of B ≥ 0 and folds
+# into the line: c0 −= w·at, c1 += w (the same step that switches a hinge on in _sweep).
 
-
-class _Linear:
-    """A piecewise-linear function of B: c0 + c1·B + Σ w·max(0, B − at)."""
-
-    __slots__ = ("c0", "c1", "hinges")
-
-    def __init__(self) -> None:
-        self.c0 = 0.0
-        self.c1 = 0.0
-        self.hinges: list[tuple[float, float]] = []
-
-    def add_pass(
-        self, cost: StepCost, mult: float, per_seq: float, extra: float, ctx: float, seqs: float = 1.0
-    ) -> None:
-        """Add ``mult`` passes of ``cost`` over ``per_seq·B + extra`` tokens of ``seqs·B``
-        sequences reading ``B·ctx`` KV tokens."""
-        if mult == 0.0:
-            return
-        self.c0 += mult * (cost.intercept_s + cost.slope_s_per_token * extra)
-        self.c1 += mult * (cost.slope_s_per_token * per_seq + cost.context_s_per_token * ctx + cost.seq_s * seqs)
-        for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
-            w = mult * delta * per_seq
-            if per_seq <= 0.0:  # the hinge does not move with B
-                if extra > knee:
-                    self.c0 += mult * delta * (extra - knee)
-                continue
-            at = (knee - extra) / per_seq
-            if at <= 0.0:  # active from B = 0
-                self.c0 -= w * at
-                self.c1 += w
-            else:
-                self.hinges.append((at, w))
-
-    def add_marginal(self, cost: StepCost, per_seq: float, nodes: tuple[tuple[float, float], ...]) -> None:
-        """Add E_P[t(per_seq·B + P) − t(per_seq·B)] over the prompt nodes (weight, P).
-
-        The intercept, context and per-sequence terms cancel; the slope leaves b·E[P]; each knee
-        k leaves Σ_n w_n·max(0, per_seq·B + P_n − k) − max(0, per_seq·B − k).
-        """
-        mean_p = sum(w * p for w, p in nodes)
-        self.c0 += cost.slope_s_per_token * mean_p
-        for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
-            for w, extra in (*nodes, (-1.0, 0.0)):
-                m = w * delta
-                at = (knee - extra) / per_seq
-                if at <= 0.0:
-                    self.c0 -= m * per_seq * at
-                    self.c1 += m * per_seq
-                else:
-                    self.hinges.append((at, m * per_seq))
-
-    def shifted(self, by: float) -> _Linear:
-        """f(B + by) as a function of B."""
-        out = _Linear()
-        out.c0, out.c1 = self.c0 + self.c1 * by, self.c1
-        for at, w in self.hinges:
-            if at - by <= 0.0:  # active from B = 0
-                out.c0 += w * (by - at)
-                out.c1 += w
-            else:
-                out.hinges.append((at - by, w))
-        return out
-
-    def at_segment(self, start: float) -> tuple[float, float]:
-        """(intercept, slope) of the line in force just above ``start``."""
-        c0, c1 = self.c0, self.c1
-        for at, w in self.hinges:
-            if at <= start:
-                c0 -= w * at
-                c1 += w
-        return c0, c1
-
-    def __call__(self, b: float) -> float:
-        t = self.c0 + self.c1 * b
-        for at, w in self.hinges:
-            if b > at:
-                t += w * (b - at)
-        return t
+Hinge = tuple[float, float]  # (at, w): w·max(0, B − at)
+_AT = operator.itemgetter(0)
 
 
 def _step_costs(model: LatencyModel, sd: bool) -> tuple[StepCost, StepCost, StepCost | None, StepCost | None]:
@@ -361,71 +302,136 @@ def _step_costs(model: LatencyModel, sd: bool) -> tuple[StepCost, StepCost, Step
     return target, draft, verify, prefill
 
 
-def _mode_pieces(
-    model: LatencyModel, workload: Workload, sd: bool, accepted_length: float, draft_length: float
-) -> tuple[_Linear, _Linear, float, float]:
-    """(τ(B): one decode/verify step, Δ(B): one prompt's marginal cost, steps, step tokens)."""
-    target, draft, verify, prefill = _step_costs(model, sd)
-    p, ctx = float(workload.prompt_tokens), workload.mean_context_tokens
-    g = max(float(workload.gen_tokens), 1.0)
-    k = draft_length + 1.0 if sd else 1.0
-    step, prompt = _Linear(), _Linear()
-    if sd:
-        if verify is not None:  # schema-1 calibration: the whole SD step in one fit
-            step.add_pass(verify, 1.0, k, 0.0, ctx)
-        else:
-            step.add_pass(target, 1.0, k, 0.0, ctx)
-        if verify is None:
-            # vLLM v1's proposer: one draft pass over the step's tokens (the verified γ+1 of each
-            # sequence), then γ − 1 single-token passes.
-            step.add_pass(draft, 1.0, k, 0.0, ctx)
-            step.add_pass(draft, draft_length - 1.0, 1.0, 0.0, ctx)
-        else:
-            step.add_pass(draft, draft_length, 1.0, 0.0, ctx)
-        step.c0 += model.sd_overhead_s * model.scale_on
+@dataclass(frozen=True)
+class _ModeTerms:
+    """What τ(B) and Δ(B) of one mode and draft length take from the calibration alone.
+
+    Built once per (model, mode, γ) and cached: a fresh workload only adds its KV context, its
+    prompt lengths and the hinges those lengths move (see :func:`mode_curve`).
+    """
+
+    step_tokens: float  # k: tokens each running sequence adds to a step (γ + 1 with SD)
+    # τ(B) = step0 + step1·B + Σ step_hinges + step_ctx·ctx·(B + 1): B + 1 sequences read ctx each.
+    step0: float
+    step1: float
+    step_ctx: float
+    step_hinges: tuple[tuple[float, float, bool], ...]  # (at > 0, w, True), sorted
+    # Δ(B) = E_P[Σ_cost t(k·(B + 1) + P) − t(k·(B + 1))] over the costs that price a prompt: the
+    # slope terms leave prompt_slope·E[P], attention prompt_pairs·E[P²]/2, each knee a hinge
+    # per prompt node (+ its weight, moved by P) and one against it (−, fixed: folded in here).
+    prompt0: float
+    prompt1: float
+    prompt_slope: float
+    prompt_pairs: float
+    prompt_hinges: tuple[tuple[float, float, bool], ...]  # the fixed −t(k·(B + 1)) halves: (at > 0, w, False)
+    prompt_knees: tuple[tuple[float, float], ...]  # (knee tokens, slope change·k)
+    prefill: StepCost | None  # schema 1: a prompt costs its stand-alone prefill instead
+
+
+def _add_pass(line: list[float], hinges: list[Hinge], cost: StepCost, mult: float, per_seq: float) -> float:
+    """Add ``mult`` passes of ``cost`` over ``per_seq·(B + 1)`` tokens of B + 1 sequences to
+    ``line`` = [c0, c1] and ``hinges``; returns the passes' cost per KV token per sequence."""
+    if mult == 0.0:
+        return 0.0
+    per_b = mult * (cost.slope_s_per_token * per_seq + cost.seq_s)
+    line[0] += mult * cost.intercept_s + per_b
+    line[1] += per_b
+    for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
+        _add_hinge(line, hinges, knee / per_seq - 1.0, mult * delta * per_seq)
+    return mult * cost.context_s_per_token
+
+
+def _add_hinge(line: list[float], hinges: list[Hinge], at: float, w: float) -> None:
+    if at <= 0.0:
+        line[0] -= w * at
+        line[1] += w
     else:
-        step.add_pass(target, 1.0, 1.0, 0.0, ctx)
-    nodes = workload.prompt_nodes
-    steps = (g - 1.0) / accepted_length
-    if p > 0:
-        if prefill is not None:  # schema-1: stand-alone prefill slope, no mixed-step data
-            prompt.c0 += prefill.scalar(p, p) - prefill.intercept_s
+        hinges.append((at, w))
+
+
+@functools.lru_cache(maxsize=256)
+def _mode_terms(model: LatencyModel, sd: bool, draft_length: float) -> _ModeTerms:
+    target, draft, verify, prefill = _step_costs(model, sd)
+    k = draft_length + 1.0 if sd else 1.0
+    step, step_hinges = [0.0, 0.0], []
+    if sd:
+        # Schema 1: verify prices the whole SD step in one fit. Schema 2: vLLM v1's proposer runs
+        # one draft pass over the step's tokens (the verified γ+1 of each sequence), then γ − 1
+        # single-token passes.
+        ctx = _add_pass(step, step_hinges, verify if verify is not None else target, 1.0, k)
+        if verify is None:
+            ctx += _add_pass(step, step_hinges, draft, 1.0, k)
+            ctx += _add_pass(step, step_hinges, draft, draft_length - 1.0, 1.0)
         else:
-            # The marginal cost of P prompt tokens on a step that already carries k·B tokens,
-            # averaged over the prompt-length distribution.
-            prompt.add_marginal(target, k, nodes)
-            prompt.c0 += target.pair_s * workload.prompt_pairs
-        if sd and model.draft_prefills and not draft.is_zero:
-            prompt.add_marginal(draft, k, nodes)
-            prompt.c0 += draft.pair_s * workload.prompt_pairs
-    # A request shares its steps with the B = λ·T others (Poisson arrivals see the time average)
-    # and with itself: its steps run at batch B + 1, which matters at low load.
-    return step.shifted(1.0), prompt.shifted(1.0), steps, k
+            ctx += _add_pass(step, step_hinges, draft, draft_length, 1.0)
+        step[0] += model.sd_overhead_s * model.scale_on
+    else:
+        ctx = _add_pass(step, step_hinges, target, 1.0, 1.0)
+    priced = [] if prefill is not None else [target]
+    if sd and model.draft_prefills and not draft.is_zero:
+        priced.append(draft)
+    prompt, prompt_hinges, knees = [0.0, 0.0], [], []
+    for cost in priced:
+        for knee, delta in zip(cost.knees_tokens, cost.knee_slope_deltas, strict=True):
+            knees.append((knee, delta * k))
+            _add_hinge(prompt, prompt_hinges, knee / k - 1.0, -delta * k)
+    return _ModeTerms(
+        k,
+        step[0],
+        step[1],
+        ctx,
+        tuple(sorted((at, w, True) for at, w in step_hinges)),
+        prompt[0],
+        prompt[1],
+        sum(c.slope_s_per_token for c in priced),
+        sum(c.pair_s for c in priced),
+        tuple(sorted((at, w, False) for at, w in prompt_hinges)),
+        tuple(knees),
+        prefill,
+    )
 
 
-def _segments(
-    step: _Linear, prompt: _Linear, steps: float, cap: float
-) -> tuple[tuple[float, float, float, float, float], ...]:
-    """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap] as (start, end, c0, c1, c2)."""
+def _sweep(
+    lines_at_0: tuple[float, float, float, float], hinges: list[tuple[float, float, bool]], steps: float, cap: float
+):
+    """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap], from the lines (τ0, τ1, Δ0, Δ1) in force
+    at B = 0 in one sweep over the sorted hinges (``is_step``: a hinge of τ, else of Δ), each
+    switching on where its segment starts.
+
+    Returns the segments (start, end, c0, c1, c2), the lines (τ0, τ1, Δ0, Δ1) of τ and Δ on each,
+    the segments' ends (the last one +inf, for bisection), the highest throughput B/T(B) up to
+    each segment's end, and the (batch, throughput) where it peaks.
+    """
     m = steps + PREFILL_WAIT_STEPS
-    # One sweep over the hinges in order (each turns on where its segment starts), not a
-    # re-sum of every hinge per segment: a fresh curve is built once per tick and workload.
-    # Hinges always lie at B > 0 (_Linear folds the others into its line).
-    hinges = sorted([(at, w, True) for at, w in step.hinges] + [(at, w, False) for at, w in prompt.hinges])
-    s0, s1, d0, d1 = step.c0, step.c1, prompt.c0, prompt.c1
-    out = []
-    lo = 0.0
+    s0, s1, d0, d1 = lines_at_0
+    segments, lines, ends, reach = [], [], [], []
+    best_b = best_h = top = lo = 0.0
     for at, w, is_step in (*hinges, (math.inf, 0.0, True)):
         if at > lo:  # the segment [lo, at) ends here
-            out.append((lo, min(at, cap), m * s0 + d0, m * s1 + d0 + d1, d1))
+            hi = at if at < cap else cap
+            c0, c1, c2 = m * s0 + d0, m * s1 + d0 + d1, d1
+            segments.append((lo, hi, c0, c1, c2))
+            lines.append((s0, s1, d0, d1))
+            # B/T(B) on the segment peaks at its end or at √(c0/c2) inside.
+            bstar = math.sqrt(c0 / c2) if c2 > 0.0 and c0 > 0.0 else hi
+            for b in (hi, bstar) if lo < bstar < hi else (hi,):
+                t = c0 + c1 * b + c2 * b * b
+                h = b / t if t > 0 else math.inf
+                if h > best_h * (1.0 + 1e-12):
+                    best_b, best_h = b, h
+                if h > top:
+                    top = h
+            reach.append(top)
             if at >= cap:
-                return tuple(out)
+                ends.append(math.inf)
+                break
+            ends.append(hi)
             lo = at
         if is_step:
             s0, s1 = s0 - w * at, s1 + w
         else:
             d0, d1 = d0 - w * at, d1 + w
-    return tuple(out)  # pragma: no cover - the sentinel at +inf always returns
+    return tuple(segments), tuple(lines), tuple(ends), tuple(reach), best_b, best_h
 
 
 def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
@@ -439,15 +445,31 @@ def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
     root = math.sqrt(disc)
     # Numerically stable roots; the fixed point reached from B = 0 is the smaller non-negative one.
     q = -0.5 * (qb - root) if qb < 0.0 else -0.5 * (qb + root)
-    roots = [r for r in (q / qa, qc / q if q != 0.0 else math.inf) if r >= 0.0]
-    return min(roots) if roots else math.inf
+    best = math.inf
+    for r in (q / qa, qc / q if q != 0.0 else math.inf):
+        if 0.0 <= r < best:
+            best = r
+    return best
+
+
+def _latency_at(segments, ends: tuple[float, ...], batch: float) -> float:
+    """T(B) on the first segment ending at or above B (the last one past the bound)."""
+    _lo, _hi, c0, c1, c2 = segments[bisect.bisect_left(ends, batch)]
+    return c0 + c1 * batch + c2 * batch * batch
+
+
+# batch() skips the segments whose throughput stays below the rate by more than this (they hold
+# no fixed point; the margin covers the tolerance a root at a segment's end is accepted with).
+REACH_MARGIN = 1e-9
 
 
 @dataclass(frozen=True)
 class ModeCurve:
     """Time in system of one mode as a function of the arrival rate (plain floats).
 
-    ``segments`` hold T(B) = c0 + c1·B + c2·B² on [start, end] for B up to the batch bound.
+    ``segments`` hold T(B) = c0 + c1·B + c2·B² on [start, end] for B up to the batch bound;
+    ``lines`` the step τ(B) and a prompt's marginal cost Δ(B) on the same segments; ``reach``
+    the highest throughput B/T(B) up to each segment's end.
     """
 
     segments: tuple[tuple[float, float, float, float, float], ...]
@@ -455,17 +477,25 @@ class ModeCurve:
     peak_batch: float  # where the throughput B/T(B) peaks
     stability_limit_rps: float
     service_scv: float
-    step: _Linear
-    prompt: _Linear
+    lines: tuple[tuple[float, float, float, float], ...]
+    ends: tuple[float, ...]  # each segment's end, the last one +inf: bisect finds B's segment
+    reach: tuple[float, ...]
+    service_s: float  # T at the peak batch: the service time of the queueing term
     steps: float
     step_tokens: float
 
+    def step(self, batch: float) -> float:
+        """τ(B): one decode (verify) step with B other sequences running (B ≤ the bound)."""
+        s0, s1, _d0, _d1 = self.lines[bisect.bisect_left(self.ends, batch)]
+        return s0 + s1 * batch
+
+    def prompt(self, batch: float) -> float:
+        """Δ(B): one arriving prompt's marginal cost on that step (B ≤ the bound)."""
+        _s0, _s1, d0, d1 = self.lines[bisect.bisect_left(self.ends, batch)]
+        return d0 + d1 * batch
+
     def latency_at_batch(self, batch: float) -> float:
-        for _lo, hi, c0, c1, c2 in self.segments:
-            if batch <= hi:
-                return c0 + c1 * batch + c2 * batch * batch
-        _lo, hi, c0, c1, c2 = self.segments[-1]
-        return c0 + c1 * batch + c2 * batch * batch
+        return _latency_at(self.segments, self.ends, batch)
 
     def batch(self, rate_rps: float) -> float:
         """Fluid fixed point B = λ·T(B); the bound when overloaded."""
@@ -473,27 +503,35 @@ class ModeCurve:
             return self.batch_bound
         if rate_rps <= 0.0:
             return 0.0
-        for lo, hi, c0, c1, c2 in self.segments:
+        return self._solve(rate_rps)[0]
+
+    def _solve(self, rate_rps: float) -> tuple[float, float]:
+        """(B, T(B)) at the fixed point, for a rate in (0, limit); T on the segment the root was
+        found on (neighbours agree at a shared end)."""
+        segments = self.segments
+        for i in range(bisect.bisect_left(self.reach, rate_rps * (1.0 - REACH_MARGIN)), len(segments)):
+            lo, hi, c0, c1, c2 = segments[i]
             b = _fixed_point_on(rate_rps, c0, c1, c2)
             if b <= hi * (1.0 + 1e-12) + 1e-12 and b >= lo * (1.0 - 1e-12) - 1e-12:
-                return b
-        return self.batch_bound
+                return b, c0 + c1 * b + c2 * b * b
+        b = self.batch_bound
+        return b, _latency_at(segments, self.ends, b)
 
     def fluid_latency_s(self, rate_rps: float) -> float:
         if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
             return math.inf
         if rate_rps <= 0.0:
             return self.segments[0][2]
-        return self.latency_at_batch(self.batch(rate_rps))
+        return self._solve(rate_rps)[1]
 
     def latency_s(self, rate_rps: float) -> float:
         """Mean time in system at this rate: fluid fixed point + heavy-traffic wait; inf past the limit."""
-        t = self.fluid_latency_s(rate_rps)
-        if math.isinf(t):
-            return t
-        service = self.latency_at_batch(self.peak_batch)
-        return t + heavy_traffic_wait_s(
-            rate_rps, self.stability_limit_rps, max(self.peak_batch, 1.0), service, self.service_scv
+        if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
+            return math.inf
+        if rate_rps <= 0.0:
+            return self.segments[0][2]  # no load: no wait
+        return self._solve(rate_rps)[1] + heavy_traffic_wait_s(
+            rate_rps, self.stability_limit_rps, max(self.peak_batch, 1.0), self.service_s, self.service_scv
         )
 
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
@@ -516,23 +554,6 @@ class ModeCurve:
         return min(done, admitted)
 
 
-def _throughput_peak(segments, bound: float) -> tuple[float, float]:
-    """(batch, throughput) maximizing B/T(B) on [0, bound]."""
-    best_b, best_h = 0.0, 0.0
-    for lo, hi, c0, c1, c2 in segments:
-        cands = [hi]
-        if c2 > 0.0 and c0 > 0.0:
-            bstar = math.sqrt(c0 / c2)
-            if lo < bstar < hi:
-                cands.append(bstar)
-        for b in cands:
-            t = c0 + c1 * b + c2 * b * b
-            h = b / t if t > 0 else math.inf
-            if h > best_h * (1.0 + 1e-12):
-                best_b, best_h = b, h
-    return best_b, best_h
-
-
 def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float) -> float:
     """Highest rate at which prompts still fit the per-step token budget (bisection).
 
@@ -542,7 +563,8 @@ def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float) -> floa
 
     def excess(lam: float) -> float:
         b = curve.batch(lam)
-        tau_d, delta = curve.step(b), curve.prompt(b)
+        tau_d, _s1, delta, _d1 = curve.lines[bisect.bisect_left(curve.ends, b)]
+        tau_d, delta = tau_d + _s1 * b, delta + _d1 * b
         denom = 1.0 - lam * delta
         if denom <= 0.0:
             return math.inf
@@ -566,18 +588,41 @@ def mode_curve(
     model: LatencyModel, workload: Workload, sd: bool, accepted_length: float, draft_length: float
 ) -> ModeCurve:
     """Build (and cache) the exact rate curve of one mode."""
-    step, prompt, steps, k = _mode_pieces(model, workload, sd, accepted_length, draft_length)
+    terms = _mode_terms(model, sd, draft_length)
+    ctx, scv, mean_p, pairs, nodes = workload.curve_terms()
     bound = float(model.max_num_seqs)
     kv = model.kv_cache_tokens_on if sd else model.kv_cache_tokens_off
     if kv is not None and kv > 0:
-        bound = max(1.0, min(bound, kv / max(workload.mean_context_tokens, 1.0)))
-    segments = _segments(step, prompt, steps, bound)
-    peak_b, peak_h = _throughput_peak(segments, bound)
-    curve = ModeCurve(segments, bound, peak_b, peak_h, workload.service_scv, step, prompt, steps, k)
-    if model.max_num_batched_tokens is not None and workload.prompt_tokens > 0:
-        limit = _budget_limit(curve, float(model.max_num_batched_tokens), float(workload.prompt_tokens))
+        bound = max(1.0, min(bound, kv / max(ctx, 1.0)))
+    # Only the hinges inside (0, bound) make segments; the rest fold (as _add_hinge does) or never act.
+    s0, s1 = terms.step0 + terms.step_ctx * ctx, terms.step1 + terms.step_ctx * ctx
+    hinges = [*terms.step_hinges[: bisect.bisect_left(terms.step_hinges, bound, key=_AT)]]
+    d0 = d1 = 0.0
+    p, k = float(workload.prompt_tokens), terms.step_tokens
+    if p > 0:
+        d0, d1 = terms.prompt0 + terms.prompt_slope * mean_p + terms.prompt_pairs * pairs, terms.prompt1
+        if terms.prefill is not None:  # schema 1: stand-alone prefill slope, no mixed-step data
+            d0 += terms.prefill.scalar(p, p) - terms.prefill.intercept_s
+        hinges += terms.prompt_hinges[: bisect.bisect_left(terms.prompt_hinges, bound, key=_AT)]
+        for knee, w_knee in terms.prompt_knees:
+            for w, x in nodes:
+                at = (knee - x) / k - 1.0
+                if at <= 0.0:
+                    d0 -= w * w_knee * at
+                    d1 += w * w_knee
+                elif at < bound:
+                    hinges.append((at, w * w_knee, False))
+        hinges.sort()
+    g = max(float(workload.gen_tokens), 1.0)
+    steps = (g - 1.0) / accepted_length
+    segments, lines, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound)
+    service = _latency_at(segments, ends, peak_b)
+    curve = ModeCurve(segments, bound, peak_b, peak_h, scv, lines, ends, reach, service, steps, k)
+    if model.max_num_batched_tokens is not None and p > 0:
+        limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
         if limit < peak_h:
-            curve = replace(curve, stability_limit_rps=limit, peak_batch=curve.batch(limit))
+            b = curve.batch(limit)
+            curve = replace(curve, stability_limit_rps=limit, peak_batch=b, service_s=curve.latency_at_batch(b))
     return curve
 
 
@@ -586,6 +631,7 @@ def mode_curve(
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)  # a decision asks it for each γ at one α, every tick
 def _clamped_en(alpha: float, draft_length: int, accepted_length: float | None) -> float:
     en = float(_accepted_length(alpha, draft_length)) if accepted_length is None else float(accepted_length)
     return min(max(en, 1.0), draft_length + 1.0)
@@ -847,19 +893,18 @@ def best_draft_length(
         raise ValueError("draft length candidates must be integers >= 1")
     off = mode_curve(model, workload, False, 1.0, 0.0)
     t_off, mu_off = off.latency_s(rate_rps), off.stability_limit_rps
-    best: DraftChoice | None = None
-    best_overloaded: DraftChoice | None = None
+    best: tuple[int, float, float] | None = None
+    best_overloaded: tuple[int, float, float] | None = None
     for g in gammas:
         on = mode_curve(model, workload, True, _clamped_en(alpha, g, None), float(g))
         t_on = on.latency_s(rate_rps)
         s = _speedup_from(t_off, t_on, mu_off, on.stability_limit_rps)
-        choice = DraftChoice(g, s, t_on)
         if math.isinf(t_on):
-            if best_overloaded is None or s > best_overloaded.speedup:
-                best_overloaded = choice
-        elif best is None or t_on < best.latency_on_s:
-            best = choice
-    return best if best is not None else best_overloaded  # type: ignore[return-value]
+            if best_overloaded is None or s > best_overloaded[1]:
+                best_overloaded = (g, s, t_on)
+        elif best is None or t_on < best[2]:
+            best = (g, s, t_on)
+    return DraftChoice(*(best if best is not None else best_overloaded))  # type: ignore[misc]
 
 
 def throughput_at_batch(

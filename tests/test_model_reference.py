@@ -1,0 +1,46 @@
+"""The model's outputs agree with the reference recorded before the fast curve build.
+
+tests/fixtures/model-reference.json holds predictions, speedups, stability limits, best draft
+lengths, break-even rates and drain throughputs on a grid of calibrations, workloads, rates,
+acceptances and draft lengths, computed by the model as it was before its curve build was
+rewritten for speed (tests/support/model_reference.py says how). A refactoring of the model
+must reproduce them to 1e-9 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from controller import model as M
+from tests.support.model_reference import FIXTURE, compute
+
+REL = 1e-9
+CASES = json.loads(FIXTURE.read_text())["cases"]
+
+
+def _close(got, want) -> bool:
+    if want is None or isinstance(want, bool) or (isinstance(want, int) and not isinstance(got, float)):
+        return got == want
+    if math.isnan(want) or math.isinf(want):
+        return got == want or (math.isnan(want) and math.isnan(got))
+    return math.isclose(got, want, rel_tol=REL, abs_tol=1e-15)
+
+
+def _mismatches(got, want, where=""):
+    if isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            yield from _mismatches(g, w, f"{where}[{i}]")
+    elif not _close(got, want):
+        yield f"{where}: {got!r} != {want!r}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['model']}-{c['workload']}"[:90])
+def test_outputs_match_the_reference(case):
+    M.mode_curve.cache_clear()  # build every curve anew, as a fresh workload does
+    got = compute(case["model"], tuple(case["workload"]), case["queries"])
+    bad = [m for key in ("points", "best", "break_even", "throughput") for m in _mismatches(got[key], case[key], key)]
+    assert not bad, "\n".join(bad[:20])
