@@ -28,6 +28,7 @@ from controller.risk import (
     forecast_peak,
     forecast_time_to,
     history_slope,
+    recent_peak,
 )
 from controller.state import ControllerState
 from controller.switch_cost import (
@@ -263,8 +264,11 @@ def assess(
         min_s=settings.dwell_s,
         max_s=max(settings.gain_horizon_max_s, settings.dwell_s),
     )
+    recent = recent_peak(state.rate_history, now)
+    forecast = forecast_peak(state.rate_history, now, settings.gain_horizon_max_s)
     peak = expected_peak(
-        forecast_peak(state.rate_history, now, settings.gain_horizon_max_s), settings.expected_peak_rps
+        max((v for v in (forecast, recent[0] if recent else None) if v is not None), default=None),
+        settings.expected_peak_rps,
     )
     off_be = bes[settings.disable_threshold]
     undo_cost = 0.0
@@ -276,6 +280,9 @@ def assess(
         if peak is not None and peak > r_back:
             undo_cost = _cost_back_off(model, settings, r_back, downtime, acc.alpha, gamma_on, workload, en)
             until = forecast_time_to(state.rate_history, now, settings.gain_horizon_max_s, r_back)
+            if until is None and recent is not None and recent[0] > r_back:
+                # It was there a while ago: expect it back within about as long (an oscillation).
+                until = max(now - recent[1], 0.0)
             if until is not None:
                 horizon = min(horizon, max(until, settings.dwell_s))
     if fitted is None or fitted == 0.0 or congested or not settings.price_switches:

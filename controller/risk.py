@@ -31,6 +31,8 @@ HISTORY_BUCKET_S = 300.0
 # The load trend a switch's gain follows: a least-squares line through the last hour's buckets.
 TREND_FIT_S = 3600.0
 TREND_MIN_BUCKETS = 6
+# A load seen within the last hour plausibly comes back: an oscillation, repeated spikes.
+RECENT_PEAK_S = 3600.0
 
 
 def backlog_drain_s(rate_rps: float, downtime_s: float, capacity_rps: float) -> float:
@@ -129,6 +131,22 @@ def history_slope(
     if var <= 0.0:
         return None
     return sum((t - mt) * (r - mr) for t, r in pts) / var
+
+
+def recent_peak(
+    history: RateHistory, now: float, window_s: float = RECENT_PEAK_S
+) -> tuple[float, float] | None:
+    """``(rate, when)``: the highest rate of the last ``window_s`` (its bucket's start), or None.
+
+    Yesterday says what the same hours bring; the last hour says what an oscillating load or a
+    run of spikes brings back. A trough between two peaks looks like a quiet hour to the rate
+    windows and to the trend, and SD enabled there is caught by the next peak.
+    """
+    seen = [(r, t) for t, r in history if now - window_s <= t <= now]
+    if not seen:
+        return None
+    rate, at = max(seen)
+    return rate, at
 
 
 def _window(history: RateHistory, lo: float, hi: float) -> list[tuple[float, float]]:
