@@ -107,6 +107,19 @@ class RestartGate:
             self._set_held()
         return decision
 
+    def fleet_view(self, applied_enabled: bool | None) -> tuple[dict[str, bool | None], dict[str, float]] | None:
+        """Every replica's published SD state and when it last changed, this replica's own as
+        it is now; None when the backend cannot say (the fleet plan then stays out of it)."""
+        try:
+            states = self.coordinator.fleet_states()
+        except CoordinationError as exc:
+            self._count_error("fleet_states", exc)
+            return None
+        enabled = {s.replica_id: s.enabled for s in states}
+        changed = {s.replica_id: s.published_at for s in states}
+        enabled[self.replica_id] = applied_enabled
+        return enabled, changed
+
     def _holders(self) -> list[str]:
         try:
             return self.coordinator.holders()

@@ -16,6 +16,7 @@ from controller.coordination.base import CoordinationError, Coordinator
 from controller.coordination.gate import RestartGate
 from controller.coordination.none import NoCoordinator
 from controller.errors import ConfigError
+from controller.fleet import FleetRouting
 
 log = structlog.get_logger("sd_controller")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -59,6 +60,10 @@ class CoordinationSettings(BaseModel):
     )
     replica_id: str | None = Field(
         None, description="This replica's name in the fleet; empty: $POD_NAME, else the host name."
+    )
+    fleet_routing: FleetRouting = Field(
+        FleetRouting.NONE,
+        description="How the router balances the fleet: none (each replica decides alone), rr (round-robin: the fleet goes all on or all off, one replica per dwell) or lor (least outstanding requests: the fleet plans k of N replicas on SD). rr and lor need prometheus_fleet_selector and a coordination backend.",
     )
 
     @field_validator("coordination_endpoints")

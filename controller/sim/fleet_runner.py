@@ -109,6 +109,7 @@ def run_fleet_controllers(
     router: str,
     settings=None,
     *,
+    plan: bool = True,
     max_unavailable: int = 1,
     slot_ttl_s: float = 600.0,
     on_tick: FleetTickCallback | None = None,
@@ -117,7 +118,8 @@ def run_fleet_controllers(
 ) -> FleetRunResult:
     """N real controllers, one per replica, coordinated by an in-process coordinator.
 
-    ``settings`` (default: the daemon's defaults with ``replicas`` = N) is shared by all;
+    ``settings`` (default: the daemon's defaults with ``replicas`` = N and, with ``plan``,
+    ``fleet_routing`` = the router: the fleet's plan, controller/fleet.py) is shared by all;
     each controller gets its own ``replica_id`` (``replica-<i>``)."""
     from controller.coordination.gate import RestartGate
     from controller.loop import Controller
@@ -125,7 +127,7 @@ def run_fleet_controllers(
     from controller.sources.vllm_metrics import VllmMetricsSource
     from controller.state_store import MemoryStateStore
 
-    settings = settings or default_settings(replicas=replicas)
+    settings = settings or default_settings(replicas=replicas, fleet_routing=router if plan else "none")
     fleet = Fleet(scenario, _costs(costs), replicas, Router(router), seed=seed)
     coordinator = InProcessCoordinator(max_unavailable, slot_ttl_s, lambda: fleet.now)
     controllers = []
