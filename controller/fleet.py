@@ -27,6 +27,7 @@ from controller.config import PolicyConfig
 from controller.model import LatencyModel, curves
 from controller.observation import Observation
 from controller.policy import Action, Decision, Reason
+from controller.switch_cost import switch_cost
 
 LatencyAt = Callable[[float], float]  # rate (req/s) -> mean time in system (s), +inf when overloaded
 GRID = 160  # occupancy curve points per mode (the split is interpolated between them)
@@ -52,12 +53,13 @@ class FleetPlan:
 
     replicas: int
     sd_now: int
-    sd_best: int  # the k the model likes best at this rate
-    sd_target: int  # where the fleet goes: sd_best if the path pays for its restarts, else sd_now
+    sd_best: int  # the k with the lowest predicted latency at this rate
+    sd_target: int  # where the fleet goes now: sd_now unless the thresholds say go and the path pays
     latency_now_s: float
-    latency_best_s: float
-    gain_request_s: float  # over the horizon, of being at sd_best instead of sd_now
-    cost_request_s: float  # of the restarts on the way (|sd_best − sd_now| of them)
+    latency_target_s: float  # of the k the thresholds point to
+    gain_request_s: float  # over the horizon, of being there instead of at sd_now
+    cost_request_s: float  # of the restarts on the way (one per replica that moves)
+    speedup: float = math.nan  # the fleet's L(0)/L(N)
 
     @property
     def moves(self) -> bool:
@@ -152,24 +154,52 @@ def plan(
     restart_cost_request_s: float,
     horizon_s: float,
     margin: float,
+    enable_threshold: float = 1.0,
+    disable_threshold: float = 1.0,
 ) -> FleetPlan:
-    """The best k at this rate, and whether going there pays: the gain over ``horizon_s``
-    must exceed ``margin`` times the restarts on the way (each priced as one replica's dip).
-    Leaving an overloaded fleet state always pays; entering one never does."""
+    """Where the fleet should go from ``sd_now`` replicas on SD.
+
+    The direction is the fleet's speedup S = L(0)/L(N) against the single replica's
+    thresholds: more SD above ``enable_threshold``, less below ``disable_threshold``, stay in
+    between (the hysteresis that keeps replicas whose estimates differ by noise from undoing
+    each other). A fleet whose current state is overloaded goes to the best k whatever S says.
+    Then the path must pay: its gain over ``horizon_s`` above ``margin`` times its restarts
+    (each priced as one replica's dip); leaving an overloaded state always pays."""
     lat = [fleet_latency(routing, on, off, fleet_rate_rps, replicas, k) for k in range(replicas + 1)]
     # Ties go to the fewest moves: prefer staying, then the nearest k.
     best = min(range(replicas + 1), key=lambda k: (lat[k], abs(k - sd_now)))
-    now_s, best_s = lat[sd_now], lat[best]
-    steps = abs(best - sd_now)
+    s = _ratio(lat[0], lat[replicas])
+    now_s = lat[sd_now]
+    if math.isinf(now_s):
+        want = best
+    elif s > enable_threshold:
+        want = replicas
+    elif s < disable_threshold:
+        want = 0
+    else:
+        want = sd_now
+    want_s = lat[want]
+    steps = abs(want - sd_now)
     cost = steps * restart_cost_request_s
-    if math.isinf(now_s) and math.isfinite(best_s):
+    if math.isinf(now_s) and math.isfinite(want_s):
         gain = math.inf
-    elif math.isinf(best_s):
+    elif math.isinf(want_s):
         gain = 0.0
     else:
-        gain = fleet_rate_rps * horizon_s * (now_s - best_s)
+        gain = fleet_rate_rps * horizon_s * (now_s - want_s)
     pays = steps > 0 and (math.isinf(gain) or gain > margin * cost)
-    return FleetPlan(replicas, sd_now, best, best if pays else sd_now, now_s, best_s, gain, cost)
+    return FleetPlan(replicas, sd_now, best, want if pays else sd_now, now_s, want_s, gain, cost, s)
+
+
+def _ratio(t_off: float, t_on: float) -> float:
+    """L(0)/L(N), the fleet's SD speedup: +inf when only SD keeps up, 0 when only plain does."""
+    if math.isinf(t_off) and math.isinf(t_on):
+        return math.nan
+    if math.isinf(t_on):
+        return 0.0
+    if math.isinf(t_off):
+        return math.inf
+    return t_off / t_on if t_on > 0 else math.nan
 
 
 def mover(fleet: Mapping[str, bool | None], sd_target: int) -> str | None:
@@ -186,7 +216,9 @@ def mover(fleet: Mapping[str, bool | None], sd_target: int) -> str | None:
 
 
 # Decisions the fleet plan never overrides: the operator, a change in flight, data that cannot
-# be used, the safety rules (acceptance floor, observed harm, a growing queue), backoff.
+# be used, backoff, and the safety rules (acceptance floor, observed harm, a growing queue:
+# acting, or the floor refusing to re-enable). A safety net held by the switch price is a hold
+# like any other: the plan, which prices the switch as a dip of one of N, may still move.
 KEEP = frozenset(
     {
         Reason.OVERRIDE,
@@ -196,7 +228,6 @@ KEEP = frozenset(
         Reason.ACCEPTANCE_FLOOR,
         Reason.OBSERVED_SD_HARM,
         Reason.QUEUE_GROWTH,
-        Reason.SAFETY_NET_HELD,
         Reason.BACKOFF,
         Reason.ALREADY_APPLIED,
     }
@@ -220,7 +251,7 @@ def steer(
         return decision
     applied = bool(fleet[me])
     k, n = fleet_plan.sd_target, fleet_plan.replicas
-    where = f"fleet plan {k} of {n} on SD (now {fleet_plan.sd_now}, best {fleet_plan.sd_best})"
+    where = f"fleet plan {k} of {n} on SD (now {fleet_plan.sd_now}, fleet speedup {fleet_plan.speedup:.3f})"
 
     def hold(detail: str) -> Decision:
         return replace(decision, action=Action.NONE, reason=Reason.FLEET_PLAN, detail=detail, desired_enabled=applied)
@@ -257,9 +288,10 @@ def decide_for_fleet(
     """The policy's ``decision`` under the fleet's plan, with the plan (None: no plan, the
     decision unchanged: no routing set, the fleet's rate unknown, or a replica's state unknown).
 
-    The plan is evaluated at the fleet's rate times this replica's trend factor (projected ÷
-    current rate, never below 1: the same caution as the single replica's), on the model's
-    curves with ``capacity_headroom`` taken off each mode's limit."""
+    Every replica plans from the same figure, the fleet's rate, not from its own: a replica's
+    own rate jumps by N/(N − 1) while another restarts, and its trend with it. Each mode's
+    limit loses ``capacity_headroom``; a restart is priced as one replica's dip at the fleet's
+    share (``switch_cost`` with N replicas), from this replica's applied mode."""
     if routing is FleetRouting.NONE or obs.fleet_arrival_rate_rps is None or len(fleet) < 2:
         return decision, None
     if me not in fleet or any(v is None for v in fleet.values()):
@@ -268,10 +300,12 @@ def decide_for_fleet(
     head = cfg.capacity_headroom
     on = ModeCurve(on_c.latency_s, head * on_c.stability_limit_rps)
     off = ModeCurve(off_c.latency_s, head * off_c.stability_limit_rps)
-    trend = a.projected_rate_rps / a.arrival_rate_rps if a.arrival_rate_rps > 0 else 1.0
-    rate = obs.fleet_arrival_rate_rps * max(trend, 1.0)
+    n, rate = len(fleet), obs.fleet_arrival_rate_rps
+    cur, new = (on, off) if fleet[me] else (off, on)
+    cost = switch_cost(rate / n, a.restart_downtime_s, new.limit_rps, n, cur.limit_rps, cur.latency)
     sd_now = sum(1 for v in fleet.values() if v)
     p = plan(
-        routing, on, off, rate, len(fleet), sd_now, a.switch_cost_request_s, a.gain_horizon_s, cfg.switch_margin
-    )
+        routing, on, off, rate, n, sd_now, cost, a.gain_horizon_s, cfg.switch_margin,
+        cfg.enable_threshold, cfg.disable_threshold,
+    )  # fmt: skip
     return steer(decision, p, me, fleet, published_at, now, cfg.dwell_s, a.draft_length), p

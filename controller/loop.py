@@ -243,7 +243,8 @@ class Controller:
                 sd_target=plan.sd_target,
                 replicas=plan.replicas,
                 latency_now_s=_r(plan.latency_now_s),
-                latency_best_s=_r(plan.latency_best_s),
+                latency_target_s=_r(plan.latency_target_s),
+                fleet_speedup=_r(plan.speedup),
                 gain_request_s=_r(plan.gain_request_s),
                 cost_request_s=_r(plan.cost_request_s),
             )
