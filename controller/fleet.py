@@ -27,7 +27,7 @@ from controller.config import PolicyConfig
 from controller.model import LatencyModel, curves
 from controller.observation import Observation
 from controller.policy import Action, Decision, Reason
-from controller.switch_cost import switch_cost
+from controller.switch_cost import projected_rate, switch_cost
 
 LatencyAt = Callable[[float], float]  # rate (req/s) -> mean time in system (s), +inf when overloaded
 GRID = 160  # occupancy curve points per mode (the split is interpolated between them)
@@ -289,7 +289,8 @@ def decide_for_fleet(
     decision unchanged: no routing set, the fleet's rate unknown, or a replica's state unknown).
 
     Every replica plans from the same figure, the fleet's rate, not from its own: a replica's
-    own rate jumps by N/(N − 1) while another restarts, and its trend with it. Each mode's
+    own rate jumps by N/(N − 1) while another restarts, and its trend with it. The fleet's
+    trend (short against long window) projects it ahead, a rise believed, a fall not. Each mode's
     limit loses ``capacity_headroom``; a restart is priced as one replica's dip at the fleet's
     share (``switch_cost`` with N replicas), from this replica's applied mode."""
     if routing is FleetRouting.NONE or obs.fleet_arrival_rate_rps is None or len(fleet) < 2:
@@ -301,6 +302,16 @@ def decide_for_fleet(
     on = ModeCurve(on_c.latency_s, head * on_c.stability_limit_rps)
     off = ModeCurve(off_c.latency_s, head * off_c.stability_limit_rps)
     n, rate = len(fleet), obs.fleet_arrival_rate_rps
+    if cfg.price_switches:
+        # The fleet's own trend, as the single replica's: a rise is believed, a fall is not.
+        ahead = projected_rate(
+            rate,
+            obs.fleet_arrival_rate_long_rps,
+            cfg.rate_window_s,
+            cfg.long_window_s,
+            max(cfg.dwell_s, cfg.trend_lookahead_s),
+        )
+        rate = max(rate, ahead)
     cur, new = (on, off) if fleet[me] else (off, on)
     cost = switch_cost(rate / n, a.restart_downtime_s, new.limit_rps, n, cur.limit_rps, cur.latency)
     sd_now = sum(1 for v in fleet.values() if v)

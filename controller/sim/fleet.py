@@ -19,6 +19,8 @@ from controller.sim.router import Router
 from controller.sim.scenarios import Scenario
 from controller.sim.workload import Arrivals, generate_arrivals
 
+HISTORY_S = 7200.0  # completions kept for the fleet's rate windows
+
 
 @dataclass(frozen=True)
 class _Scaled:
@@ -131,19 +133,26 @@ class Fleet:
     def record_completions(self) -> None:
         """Remember each replica's completions counter now (what Prometheus would scrape)."""
         self._done.append((self.t, [e.finished + e.lost for e in self.engines]))
+        while self._done and self._done[0][0] < self.t - HISTORY_S:
+            self._done.popleft()
 
     def fleet_rate(self, window_s: float) -> tuple[float, int] | None:
         """(completions per second summed over the replicas, replicas that completed any) over
         the last ``window_s``, like ``sum(rate(vllm:request_success_total[W]))`` and its count;
         None until a window's worth of samples exists."""
-        while len(self._done) > 1 and self._done[1][0] <= self.t - window_s:
-            self._done.popleft()
-        if not self._done or self._done[-1][0] - self._done[0][0] < window_s - 1e-9:
+        if not self._done:
             return None
-        (t0, c0), (t1, c1) = self._done[0], self._done[-1]
-        span = t1 - t0
+        t1, c1 = self._done[-1]
+        start = None
+        for t0, c0 in reversed(self._done):
+            if t0 <= t1 - window_s + 1e-9:
+                start = (t0, c0)
+                break
+        if start is None:
+            return None
+        t0, c0 = start
         deltas = [b - a for a, b in zip(c0, c1, strict=True)]
-        return sum(deltas) / span, sum(d > 0 for d in deltas)
+        return sum(deltas) / (t1 - t0), sum(d > 0 for d in deltas)
 
     # ------------------------------------------------------------------ results
     def latencies(self, warmup_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

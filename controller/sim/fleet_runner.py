@@ -33,17 +33,24 @@ FleetTickCallback = Callable[[list[TickRecord], Fleet], None]
 class SimFleetSource:
     """A replica's own source, its observation completed with the fleet's rate and replicas."""
 
-    def __init__(self, inner, fleet: Fleet, rate_window_s: float) -> None:
+    def __init__(self, inner, fleet: Fleet, rate_window_s: float, long_window_s: float | None = None) -> None:
         self.inner = inner
         self.fleet = fleet
         self.rate_window_s = rate_window_s
+        self.long_window_s = long_window_s
 
     def observe(self, now: float) -> ObserveResult:
         obs = self.inner.observe(now)
         got = self.fleet.fleet_rate(self.rate_window_s)
         if not isinstance(obs, Observation) or got is None or got[1] < 1:
             return obs
-        return dataclasses.replace(obs, fleet_arrival_rate_rps=got[0], fleet_replicas=got[1])
+        long = self.fleet.fleet_rate(self.long_window_s) if self.long_window_s else None
+        return dataclasses.replace(
+            obs,
+            fleet_arrival_rate_rps=got[0],
+            fleet_replicas=got[1],
+            fleet_arrival_rate_long_rps=long[0] if long is not None else None,
+        )
 
 
 @dataclass
@@ -142,7 +149,7 @@ def run_fleet_controllers(
             Controller(
                 settings=settings.model_copy(update={"replica_id": f"replica-{i}"}),
                 model=controller_model,
-                source=SimFleetSource(inner, fleet, settings.rate_window_s),
+                source=SimFleetSource(inner, fleet, settings.rate_window_s, settings.long_window_s),
                 hook=SimHook(engine),
                 clock=lambda: fleet.now,
                 registry=CollectorRegistry(),
