@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from enum import StrEnum
 
 from controller.assessment import Assessment
@@ -66,6 +67,7 @@ class FleetPlan:
         return self.sd_target != self.sd_now
 
 
+@lru_cache(maxsize=16)  # the same curves serve every k of one plan
 def _occupancy_inverse(c: ModeCurve) -> tuple[list[float], list[float]]:
     """(occupancy B = λ·T(λ), rate) on a grid up to the limit, increasing in both."""
     occ, rates = [0.0], [0.0]

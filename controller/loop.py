@@ -244,7 +244,7 @@ class Controller:
                 replicas=plan.replicas,
                 latency_now_s=_r(plan.latency_now_s),
                 latency_target_s=_r(plan.latency_target_s),
-                fleet_speedup=_r(plan.speedup),
+                fleet_speedup=None if math.isnan(plan.speedup) else _r(plan.speedup),
                 gain_request_s=_r(plan.gain_request_s),
                 cost_request_s=_r(plan.cost_request_s),
             )

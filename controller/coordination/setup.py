@@ -139,6 +139,14 @@ def build_gate(s: Any) -> RestartGate:
             f"setting restart_slot_ttl_s ({group.restart_slot_ttl_s:g}) must be at least 3 × evaluation_interval_s"
             f" ({interval:g}): the slot is renewed once a tick"
         )
+    if group.fleet_routing is not FleetRouting.NONE:
+        # The plan reads every replica's state from the backend and the fleet's rate from Prometheus.
+        if group.coordination_backend is CoordinationBackend.NONE:
+            raise ConfigError(
+                f"setting fleet_routing={group.fleet_routing.value} needs coordination_backend etcd or kubernetes"
+            )
+        if not getattr(s, "prometheus_fleet_selector", None):
+            raise ConfigError(f"setting fleet_routing={group.fleet_routing.value} needs prometheus_fleet_selector")
     downtime = float(getattr(s, "restart_downtime_s", 0.0))
     if group.coordination_backend is not CoordinationBackend.NONE and group.restart_slot_ttl_s < downtime:
         # A holder that dies as its replica starts restarting frees the slot after the TTL: if
