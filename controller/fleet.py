@@ -290,6 +290,10 @@ def decide_for_fleet(
     """The policy's ``decision`` under the fleet's plan, with the plan (None: no plan, the
     decision unchanged: no routing set, the fleet's rate unknown, or a replica's state unknown).
 
+    ``model`` should be the calibration's, the same for every replica: a replica's online
+    correction is learned from its own mode's traffic only, and replicas whose corrections
+    differ would disagree on the plan (the mover holding what the others would do).
+
     Every replica plans from the same figure, the fleet's rate, not from its own: a replica's
     own rate jumps by N/(N − 1) while another restarts, and its trend with it. The fleet's
     trend (short against long window) projects it ahead, a rise believed, a fall not. Each mode's
@@ -317,8 +321,8 @@ def decide_for_fleet(
     cur, new = (on, off) if fleet[me] else (off, on)
     cost = switch_cost(rate / n, a.restart_downtime_s, new.limit_rps, n, cur.limit_rps, cur.latency)
     sd_now = sum(1 for v in fleet.values() if v)
-    p = plan(
-        routing, on, off, rate, n, sd_now, cost, a.gain_horizon_s, cfg.switch_margin,
-        cfg.enable_threshold, cfg.disable_threshold,
-    )  # fmt: skip
+    # Direction by the model's break-even (S against 1 both ways): in a fleet a restart is a
+    # dip of 1/N, cheap enough that the single replica's wide threshold band would cost more
+    # than it saves; the hysteresis is the price (gain > switch_margin × cost) and the dwell.
+    p = plan(routing, on, off, rate, n, sd_now, cost, a.gain_horizon_s, cfg.switch_margin, 1.0, 1.0)
     return steer(decision, p, me, fleet, published_at, now, cfg.dwell_s, a.draft_length), p

@@ -233,7 +233,7 @@ class Controller:
         if view is None:
             return decision
         decision, plan = decide_for_fleet(
-            routing, self.learner.model, self.policy_config, decision, a, obs, self.gate.replica_id, *view, now
+            routing, self.model, self.policy_config, decision, a, obs, self.gate.replica_id, *view, now
         )
         if plan is not None:
             log.info(
