@@ -198,3 +198,21 @@ def test_split_rejects_nonsense():
     with pytest.raises(ValueError, match="sd"):
         fleet.split(LOR, ON, OFF, 1.0, 4, 5)
     assert OverrideMode.AUTO  # the override is the loop's business, not the plan's
+
+
+@pytest.mark.parametrize(
+    ("lam", "sd_now", "thresholds", "target"),
+    [
+        (20.0, 0, (1.0, 1.0), 4),  # S ≈ 1.33 > 1: more SD
+        (20.0, 0, (1.4, 1.05), 0),  # inside the band: stay
+        (24.0, 4, (1.2, 1.05), 4),  # S ≈ 1.14: inside the band, stay on
+        (26.0, 4, (1.2, 1.05), 4),  # S ≈ 1.04 < 1.05 asks for off, but off is slower: no gain, stay
+        (28.0, 4, (1.2, 1.05), 0),  # S ≈ 0.92: off
+        (26.0, 0, (1.0, 1.0), 4),  # the same load by break-even alone: SD still wins
+        (30.0, 2, (1.2, 1.05), 0),  # S < 1: less SD from part-way too
+    ],
+)
+def test_the_direction_follows_the_fleet_speedup_against_the_thresholds(lam, sd_now, thresholds, target):
+    p = fleet.plan(RR, ON, OFF, lam, 4, sd_now, 0.0, 3600.0, 1.5, *thresholds)
+    assert p.speedup == pytest.approx(OFF.latency(lam / 4) / ON.latency(lam / 4))
+    assert p.sd_target == target
