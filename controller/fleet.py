@@ -7,12 +7,14 @@ no single replica can: k of N replicas on SD. How the load splits decides what k
   linear in k and the best k is 0 or N (the fleet moves there one replica at a time);
 * least-outstanding-requests equalizes the requests in system, B_on = B_off = B; by Little's
   law each replica's B = λ·T(λ), so the split solves k·λ_on(B) + (N − k)·λ_off(B) = Λ, and
-  the fleet's mean latency is N·B/Λ. A faster mode takes a larger share; an intermediate k can
-  beat both extremes.
+  the fleet's mean latency is N·B/Λ. A faster mode takes a larger share.
 
-Each replica computes the same plan from the fleet's rate and its own model, and acts only
-when it is the replica the plan moves (:func:`mover`: ranks by replica id, read from the
-coordination backend's published states), at most one per dwell: no extra coordination.
+Either way the carried rate at a given occupancy is linear in k, so the best k for the mean
+latency is 0 or N; an intermediate k is where the fleet is on its way, or where the rest of
+the way does not pay. Each replica computes the plan from the fleet's rate and the
+calibration's model, and acts only when it is the replica the plan moves (:func:`mover`:
+ranks by replica id, read from the coordination backend's published states), at most one per
+dwell: no extra coordination.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from enum import StrEnum
+from functools import lru_cache
 
 from controller.assessment import Assessment
 from controller.config import PolicyConfig

@@ -6,6 +6,7 @@ Scenarios are compressed (tens of simulated minutes) so each test stays well und
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -163,7 +164,7 @@ def test_a_fleet_pushed_to_switch_at_once_moves_one_replica_per_dwell(router):
     acts = [(d.t, d.reason) for ticks in r.ticks for d in ticks if d.action != "none"]
     planned = [t for t, why in acts if why == "fleet_plan"]
     dwell = r.controllers[0].settings.dwell_s
-    assert len(planned) >= 2 and all(b - a >= dwell for a, b in zip(planned, planned[1:], strict=False)), acts
+    assert len(planned) >= 2 and all(b - a >= dwell for a, b in itertools.pairwise(planned)), acts
     # A safety rule may act outside the plan's rhythm; nothing else does.
     assert {why for _, why in acts} <= {"fleet_plan", "observed_sd_harm", "queue_growth"}
     # The plan's mover is the highest-ranked replica still on, not whoever ticked first.
