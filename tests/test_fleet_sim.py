@@ -189,3 +189,44 @@ def test_without_the_plan_the_slots_alone_bound_simultaneous_restarts():
         for ctl in one.controllers
     )
     assert waits > 0
+
+
+# ------------------------------------------------------------------------------ over HTTP
+def test_the_fleet_over_http_one_metrics_and_admin_api_per_replica_behind_the_router():
+    import time
+
+    import requests
+
+    from controller import calibration
+    from controller.shipped import EXAMPLE_CALIBRATION, calibration_path
+    from controller.sim.engine import CalibratedCosts
+    from controller.sim.server import SimulatedFleet
+
+    model = calibration.load(calibration_path(EXAMPLE_CALIBRATION)).latency_model()
+    sc = scenarios.load("quick").with_changes(
+        arrival_rate=Constant(kind="constant", value=4.0),
+        engine={"restart_downtime_s": 1.0, "restart_jitter_s": 0.0, "drain_limit_s": 0.5, "initial_sd": False},
+    )
+    fleet = Fleet(sc, CalibratedCosts(model), 3, Router("rr"), epoch_s=time.time())
+    with SimulatedFleet(fleet) as sim:
+        assert len(set(sim.metrics_urls)) == 3 and len(set(sim.admin_urls)) == 3
+        time.sleep(1.5)
+        for url in sim.metrics_urls:
+            r = requests.get(url, timeout=5)
+            assert r.status_code == 200 and "vllm:request_success_total" in r.text
+        r = requests.post(sim.admin_urls[0] + "/admin/speculative", json={"enabled": True}, timeout=5)
+        assert r.status_code in (200, 202), r.text
+        deadline = time.monotonic() + 10
+        seen_down, others_up, arrived_while_down = False, True, set()
+        while time.monotonic() < deadline:
+            status = requests.get(sim.admin_urls[0] + "/admin/status", timeout=5).json()
+            if status["phase"] == "restarting":
+                seen_down = True
+                arrived_while_down.add(fleet.engines[0].arrived)
+                assert requests.get(sim.metrics_urls[0], timeout=5).status_code == 503
+                others_up &= all(requests.get(u, timeout=5).status_code == 200 for u in sim.metrics_urls[1:])
+            elif seen_down and status["applied"]["enabled"]:
+                break
+            time.sleep(0.1)
+        assert seen_down and others_up and status["applied"]["enabled"] is True
+        assert len(arrived_while_down) == 1  # out of rotation while it restarted

@@ -69,7 +69,9 @@ class Fleet:
         initial_sd: bool | list[bool] | None = None,
         seed: int | None = None,
         epoch_s: float = DEFAULT_EPOCH_S,
+        trace_speed: float = 1.0,
     ) -> None:
+        """``trace_speed`` > 1 plays the scenario's rate faster than the clock (``simulate``)."""
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
         seed = scenario.seed if seed is None else seed
@@ -84,6 +86,7 @@ class Fleet:
             RoutedEngine(scenario.with_changes(engine={"initial_sd": s}), costs, seed=seed * 1000 + i, epoch_s=epoch_s)
             for i, s in enumerate(states)
         ]
+        self.trace_speed = float(trace_speed)
         self._rng = np.random.default_rng([seed, 1])
         self._rate = _Scaled(scenario.arrival_rate, replicas)
         self._block: Arrivals | None = None
@@ -103,8 +106,9 @@ class Fleet:
         if self._block is None or k >= self._block_start + len(self._offsets) - 1:
             sc = self.scenario
             self._block, counts = generate_arrivals(
-                self._rng, self._rate, sc.acceptance, list(sc.classes), k * self.tick_s, self.tick_s, BLOCK_TICKS
-            )
+                self._rng, self._rate, sc.acceptance, list(sc.classes), k * self.tick_s, self.tick_s, BLOCK_TICKS,
+                self.trace_speed,
+            )  # fmt: skip
             self._block_start = k
             self._offsets = np.concatenate([[0], np.cumsum(counts)])
         i = k - self._block_start
