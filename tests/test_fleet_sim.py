@@ -182,6 +182,7 @@ def test_without_the_plan_the_slots_alone_bound_simultaneous_restarts():
     one = run_fleet_controllers(sc, truth_costs(), calibration_model(), 3, "rr", plan=False)
     two = run_fleet_controllers(sc, truth_costs(), calibration_model(), 3, "rr", plan=False, max_unavailable=2)
     assert one.fleet.max_unavailable_seen == 1 and one.toggles == 3
+    assert "fleet_plan" not in {d.reason for ticks in one.ticks for d in ticks}  # fleet_routing none: no plan
     assert two.fleet.max_unavailable_seen == 2 and two.coordinator.max_held == 2
     assert _restart_starts(two)[0] == _restart_starts(two)[1]  # two at once: the limit is what binds
     waits = sum(
