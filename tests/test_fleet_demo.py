@@ -8,14 +8,15 @@ import pytest
 
 from controller.cli import main
 
-# Launched with SD on, the load rises past break-even after ten minutes: the fleet must go off.
+# Launched with SD on, the load rises past break-even (8.7 req/s on the truth) within ten
+# minutes and stays there: the fleet must go off, one replica at a time.
 SHORT = """
 kind: sd-controller/scenario
 name: short-fleet
 description: "rising through break-even"
-duration_s: 1500
+duration_s: 3000
 seed: 3
-arrival_rate: {kind: piecewise, points: [[0, 3], [300, 3], [600, 11.5], [1500, 11.5]]}
+arrival_rate: {kind: piecewise, points: [[0, 3], [300, 3], [600, 10], [3000, 10]]}
 acceptance: {kind: constant, value: 0.65}
 classes:
   - name: chat
@@ -30,17 +31,17 @@ def test_fleet_demo_end_to_end(tmp_path, capsys):
     sc = tmp_path / "short.yaml"
     sc.write_text(SHORT)
     out = tmp_path / "out"
-    assert main(["demo", "--scenario", str(sc), "--replicas", "3", "--router", "rr", "--out", str(out)]) == 0
+    assert main(["demo", "--scenario", str(sc), "--replicas", "4", "--router", "rr", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "fleet of 3 behind a rr router" in text and "always-off" in text
+    assert "fleet of 4 behind a rr router" in text and "always-off" in text
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["replicas"], summary["router"], summary["max_unavailable"]) == (3, "rr", 1)
+    assert (summary["replicas"], summary["router"], summary["max_unavailable"]) == (4, "rr", 1)
     runs = summary["runs"]
     assert runs["controller"]["toggles"] >= 1 and runs["controller"]["max_restarting"] == 1
     assert runs["always-on"]["toggles"] == 0 and runs["always-on"]["sd_on_fraction"] == 1.0
     assert runs["controller"]["requests"] == runs["always-on"]["requests"] == runs["always-off"]["requests"]
     assert runs["controller"]["mean_latency_s"] < runs["always-on"]["mean_latency_s"]
-    assert summary["verdict"].startswith("fleet of 3: controllers") and summary["verdict"] in text
+    assert summary["verdict"].startswith("fleet of 4: controllers") and summary["verdict"] in text
     assert (out / "timeline.png").stat().st_size > 10_000
 
 
