@@ -236,6 +236,7 @@ class Controller:
             routing, self.model, self.policy_config, decision, a, obs, self.gate.replica_id, *view, now
         )
         if plan is not None:
+            self.gate.record_plan(plan.sd_now, plan.sd_target)
             log.info(
                 "fleet_plan",
                 sd_now=plan.sd_now,

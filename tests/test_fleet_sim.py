@@ -165,6 +165,9 @@ def test_a_fleet_pushed_to_switch_at_once_moves_one_replica_per_dwell(router):
     planned = [t for t, why in acts if why == "fleet_plan"]
     dwell = r.controllers[0].settings.dwell_s
     assert len(planned) >= 2 and all(b - a >= dwell for a, b in itertools.pairwise(planned)), acts
+    sd = sum(e.applied.enabled for e in r.fleet.engines)
+    exported = [c.registry.get_sample_value("sd_controller_fleet_sd_replicas") for c in r.controllers]
+    assert exported == [sd] * 4  # every controller exports the fleet's k
     # A safety rule may act outside the plan's rhythm; nothing else does.
     assert {why for _, why in acts} <= {"fleet_plan", "observed_sd_harm", "queue_growth"}
     # The plan's mover is the highest-ranked replica still on, not whoever ticked first.

@@ -38,6 +38,8 @@ class RestartGate:
         self._waits: Counter | None = None
         self._errors: Counter | None = None
         self._held: Gauge | None = None
+        self._fleet_sd: Gauge | None = None
+        self._fleet_target: Gauge | None = None
 
     def register(self, registry: CollectorRegistry) -> None:
         """Put the gate's metrics on the controller's registry."""
@@ -56,6 +58,18 @@ class RestartGate:
         for reason in (policy.Reason.SLOT_BUSY, policy.Reason.COORDINATION_UNAVAILABLE):
             self._waits.labels(reason.value)
         self._held.set(0)
+        self._fleet_sd = Gauge(
+            "sd_controller_fleet_sd_replicas", "Replicas of the fleet running SD, as published", registry=registry
+        )
+        self._fleet_target = Gauge(
+            "sd_controller_fleet_sd_target", "Replicas the fleet's plan wants on SD now (fleet.py)", registry=registry
+        )
+
+    def record_plan(self, sd_now: int, sd_target: int) -> None:
+        """Export the fleet's plan (k of N on SD now, and where it goes)."""
+        if self._fleet_sd is not None and self._fleet_target is not None:
+            self._fleet_sd.set(sd_now)
+            self._fleet_target.set(sd_target)
 
     def _count_error(self, op: str, exc: CoordinationError) -> None:
         if self._errors is not None:
