@@ -29,6 +29,7 @@ from controller.config import OverrideMode
 from controller.coordination.gate import RestartGate
 from controller.events import Event, EventKind
 from controller.exporter import Exporter
+from controller.fleet import FleetRouting, decide_for_fleet
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
 from controller.learning import Learned, Learner
 from controller.model import LatencyModel
@@ -178,6 +179,8 @@ class Controller:
             )
         learned = self.learner.learn(now, state, obs, assessment, status)
         decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
+        if self.gate is not None and assessment is not None and isinstance(obs, Observation):
+            decision = self._fleet_plan(decision, state, obs, assessment, now)  # fleet mode: k of N (fleet.py)
         events = events + decision.events
         acted = False
         if self.gate is not None and not self.dry_run:
@@ -218,6 +221,35 @@ class Controller:
             if ev.kind in NOTIFY_EVENTS:
                 self.notify(ev.kind.value, {"detail": str(ev), "reason": decision.reason.value, "time": now})
         return TickResult(now, obs, assessment, decision, state, events, acted, status, failure, learned)
+
+    def _fleet_plan(
+        self, decision: Decision, state: ControllerState, obs: Observation, a: Assessment, now: float
+    ) -> Decision:
+        """The policy's decision under the fleet's plan (``fleet_routing``), when one is set."""
+        routing = FleetRouting(self.settings.fleet_routing)
+        if routing is FleetRouting.NONE or self.gate is None:
+            return decision
+        view = self.gate.fleet_view(state.applied_enabled)
+        if view is None:
+            return decision
+        decision, plan = decide_for_fleet(
+            routing, self.model, self.policy_config, decision, a, obs, self.gate.replica_id, *view, now
+        )
+        if plan is not None:
+            self.gate.record_plan(plan.sd_now, plan.sd_target)
+            log.info(
+                "fleet_plan",
+                sd_now=plan.sd_now,
+                sd_best=plan.sd_best,
+                sd_target=plan.sd_target,
+                replicas=plan.replicas,
+                latency_now_s=_r(plan.latency_now_s),
+                latency_target_s=_r(plan.latency_target_s),
+                fleet_speedup=None if math.isnan(plan.speedup) else _r(plan.speedup),
+                gain_request_s=_r(plan.gain_request_s),
+                cost_request_s=_r(plan.cost_request_s),
+            )
+        return decision
 
     def _log(
         self,

@@ -60,6 +60,7 @@ class Observation:
     # Fleet mode (sources/fleet.py): the whole fleet's arrival rate and how many replicas serve it.
     fleet_arrival_rate_rps: float | None = None
     fleet_replicas: int | None = None
+    fleet_arrival_rate_long_rps: float | None = None  # the fleet's rate over long_window_s, for its trend
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +78,7 @@ class Observation:
             "mean_e2e_latency_s",
             "sample_age_s",
             "fleet_arrival_rate_rps",
+            "fleet_arrival_rate_long_rps",
         ):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):

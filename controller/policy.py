@@ -66,6 +66,7 @@ class Reason(StrEnum):
     SAFETY_NET_HELD = "safety_net_held_by_switch_cost"
     SLOT_BUSY = "restart_slot_busy"  # fleet: every restart slot is taken (coordination/gate.py)
     COORDINATION_UNAVAILABLE = "coordination_unavailable"  # fleet: no restart without the backend
+    FLEET_PLAN = "fleet_plan"  # fleet: k of N on SD, one replica moving per dwell (controller/fleet.py)
 
 
 class ControllerPhase(StrEnum):

@@ -231,6 +231,13 @@ def test_the_none_backend_always_admits():
              "evaluation_interval_s": 60},
             "restart_slot_ttl_s",
         ),
+        ({"fleet_routing": "lor"}, "fleet_routing=lor needs coordination_backend etcd or kubernetes"),
+        (
+            {"fleet_routing": "rr", "coordination_backend": "etcd", "coordination_endpoints": ["http://127.0.0.1:1"],
+             "restart_slot_ttl_s": 600},
+            "fleet_routing=rr needs prometheus_fleet_selector",
+        ),
+        ({"fleet_routing": "random"}, "fleet_routing"),
     ],
 )  # fmt: skip
 def test_bad_coordination_settings_name_the_setting(kw, needle):

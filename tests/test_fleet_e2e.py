@@ -1,6 +1,7 @@
-"""Fleet mode end to end, all real: an etcd, three simulated vLLM replicas (each its own
-``sd-controller simulate`` process: vLLM /metrics and the launcher's admin API) and three
-``sd-controller run`` processes, one per replica, on 127.0.0.1.
+"""Fleet mode end to end, all real: an etcd, three simulated vLLM replicas behind a
+least-outstanding-requests router (one ``sd-controller simulate --replicas 3`` process: each
+replica its own vLLM /metrics and launcher admin API) and three ``sd-controller run``
+processes, one per replica, on 127.0.0.1.
 
 The controllers are pushed to switch at the same moment (the operator's override file flipped
 for all three at once). Who is restarting is observed from the replicas' own admin status,
@@ -56,29 +57,34 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 6
     raise AssertionError(f"{url} not up after {timeout_s}s: {log.read_text()[-1500:]}")
 
 
-class Replica:
-    """One simulated vLLM + admin API, and the controller process beside it."""
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive TCP ports on 127.0.0.1 that were free a moment ago."""
+    import socket
 
-    def __init__(self, i: int, tmp: Path, etcd_url: str) -> None:
+    for _ in range(50):
+        base = free_port()
+        try:
+            for p in range(base, base + n):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+class Replica:
+    """One simulated vLLM + admin API (replica ``i`` of the fleet's simulator), and the
+    controller process beside it."""
+
+    def __init__(self, i: int, tmp: Path, etcd_url: str, port: int, admin_port: int) -> None:
         self.i, self.name = i, f"replica-{i}"
         self.dir = tmp / self.name
         self.dir.mkdir()
-        self.port, self.admin_port, self.exporter_port = free_port(), free_port(), free_port()
+        self.port, self.admin_port, self.exporter_port = port, admin_port, free_port()
         self.override = self.dir / "override"
         self.etcd_url = etcd_url
-        self.sim: subprocess.Popen | None = None
         self.ctl: subprocess.Popen | None = None
-
-    def start_sim(self) -> None:
-        log = self.dir / "sim.log"
-        with log.open("w") as out:
-            self.sim = subprocess.Popen(
-                [*_die_with_parent_prefix(), sys.executable, "-m", "controller.cli", "simulate", "--scenario", "quick", "--speed", "1",
-                 "--port", str(self.port), "--admin-port", str(self.admin_port), "--insecure-no-token",
-                 "--restart-s", str(RESTART_S), "--duration-s", "400"],
-                env=_env(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-            )  # fmt: skip
-        _wait_http(f"http://127.0.0.1:{self.admin_port}/admin/status", self.sim, log)
 
     def start_controller(self) -> None:
         log = self.dir / "controller.log"
@@ -134,16 +140,45 @@ class Replica:
         return None
 
     def stop(self) -> None:
-        for p in (self.ctl, self.sim):
-            if p is not None and p.poll() is None:
-                p.terminate()
-        for p in (self.ctl, self.sim):
-            if p is not None:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+        p = self.ctl
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+class FleetSim:
+    """One ``sd-controller simulate --replicas N`` process: N replicas behind a router, replica
+    i on ports base + i."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port, self.admin_port = free_ports(N), free_ports(N)
+        self.log = tmp / "fleet-sim.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [*_die_with_parent_prefix(), sys.executable, "-m", "controller.cli", "simulate", "--scenario", "quick", "--speed", "1",
+                 "--replicas", str(N), "--router", "lor",
+                 "--port", str(self.port), "--admin-port", str(self.admin_port), "--insecure-no-token",
+                 "--restart-s", str(RESTART_S), "--duration-s", "400"],
+                env=_env(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+            )  # fmt: skip
+        for i in range(N):
+            _wait_http(f"http://127.0.0.1:{self.admin_port + i}/admin/status", self.proc, self.log)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
 
 
 class Observer:
@@ -217,10 +252,10 @@ def slot_holder(etcd_url: str) -> str | None:
 
 
 def test_fleet_switches_one_replica_at_a_time_through_etcd(etcd_server, tmp_path):
-    replicas = [Replica(i, tmp_path, etcd_server.url) for i in range(N)]
+    sim = FleetSim(tmp_path)
+    replicas = [Replica(i, tmp_path, etcd_server.url, sim.port + i, sim.admin_port + i) for i in range(N)]
     try:
-        for r in replicas:
-            r.start_sim()
+        sim.start()
         for r in replicas:
             r.override.write_text("auto")
             r.start_controller()
@@ -289,3 +324,4 @@ def test_fleet_switches_one_replica_at_a_time_through_etcd(etcd_server, tmp_path
     finally:
         for r in replicas:
             r.stop()
+        sim.stop()

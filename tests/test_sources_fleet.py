@@ -27,7 +27,7 @@ def fleet_source(prom, own_target):
     own = PrometheusSource(
         prom.url, f'instance="{own_target}"', rate_window_s=5, acceptance_window_s=10, long_window_s=20
     )
-    return FleetSource(own, own, 'job="vllm"', rate_window_s=5)
+    return FleetSource(own, own, 'job="vllm"', rate_window_s=5, long_window_s=20)
 
 
 @pytest.mark.prometheus
@@ -44,6 +44,7 @@ def test_the_fleet_rate_is_the_sum_and_a_replica_gone_stops_counting(prometheus_
             assert 2 <= o.arrival_rate_rps <= 6  # this replica: 4 req/s nominal
             assert 16 <= o.fleet_arrival_rate_rps <= 32  # 4 + 8 + 12 req/s nominal
             assert o.fleet_replicas == 3
+            assert 0 < o.fleet_arrival_rate_long_rps <= 32  # the long window, for the fleet's trend
             servers[2].set_mode("http500")  # a replica down (restarting): its series go stale
             prom.wait_for(
                 'count(count by (instance) (rate(vllm:request_success_total{job="vllm"}[5s]))) == 2', timeout_s=30

@@ -42,6 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: the scenario's)")
     parser.add_argument("--no-baselines", action="store_true", help="run the controller only")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="N > 1: a fleet of N replicas behind a router, each with its own controller, every replica seeing "
+        "the scenario's load (the fleet N times it), against always-on and always-off fleets (default 1)",
+    )
+    parser.add_argument(
+        "--router", default="lor", choices=("rr", "lor"), help="fleet: round-robin or least outstanding requests"
+    )
+    parser.add_argument(
+        "--max-unavailable", type=int, default=1, help="fleet: replicas allowed to restart at once (default 1)"
+    )
 
 
 def quiet_logs() -> None:
@@ -147,7 +160,13 @@ def run(args: argparse.Namespace) -> int:
     from controller.sim import comparison, demo_truth
 
     started = time.perf_counter()
+    if args.replicas < 1 or args.replicas > 64:
+        raise InputError(f"--replicas {args.replicas}: expected 1 to 64")
+    if not 1 <= args.max_unavailable <= args.replicas:
+        raise InputError(f"--max-unavailable {args.max_unavailable}: expected 1 to --replicas ({args.replicas})")
     scenario, model, cal_file, example, server = _load(args)
+    if args.replicas > 1:
+        return _run_fleet(args, scenario, model, cal_file, example, server, started)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +207,93 @@ def run(args: argparse.Namespace) -> int:
                 "runs": got.rows,
                 "verdict": line,
                 "restart_cost_request_s": cost_s,
+                "wall_s": time.perf_counter() - started,
+            },
+            indent=2,
+            default=lambda x: None,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    print(f"wrote {plot} and {out / 'summary.json'} ({time.perf_counter() - started:.0f} s)")
+    return EXIT_OK
+
+
+class FleetProgress:
+    """One line per simulated hour and per restart requested (the fleet's state in brief)."""
+
+    def __init__(self, scenario, stream=None) -> None:
+        self.scenario = scenario
+        self.stream = stream or sys.stdout
+        self.last_t = -math.inf
+
+    def __call__(self, records, fleet) -> None:
+        t = records[0].t
+        acted = [f"replica-{i} {r.action}" for i, r in enumerate(records) if r.action != "none"]
+        if not acted and t - self.last_t < 3600 and t < self.scenario.duration_s:
+            return
+        self.last_t = t if not acted else self.last_t
+        rates = [r.observed_rate_rps for r in records if r.observed_rate_rps is not None]
+        sd = sum(e.applied.enabled for e in fleet.engines)
+        down = sum(not e.serving for e in fleet.engines)
+        print(
+            f"t={_hms(t)} rate/replica={_fmt(sum(rates) / len(rates) if rates else None, '{:.2f}')} req/s "
+            f"SD on {sd}/{len(fleet.engines)} restarting {down} restarts={sum(e.restart_count for e in fleet.engines)}"
+            + (f" ({', '.join(acted)})" if acted else ""),
+            file=self.stream,
+            flush=True,
+        )
+
+
+def _run_fleet(args, scenario, model, cal_file, example, server, started) -> int:
+    """``demo --replicas N``: the fleet of controllers against always-on and always-off fleets."""
+    from controller.sim import fleet_comparison
+
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--out {out}: cannot create directory: {exc.strerror or exc}") from None
+    quiet_logs()
+    n = args.replicas
+    if example:
+        print("EXAMPLE calibration (not measured): the numbers show the mechanism, not your GPU")
+    print(
+        f"scenario {scenario.name}: {scenario.description} ({scenario.duration_s / 3600:g} h simulated), "
+        f"per replica; the fleet of {n} behind a {args.router} router receives {n}× that"
+    )
+    if server == TRUTH:
+        print(
+            f"servers: {n} simulated H100s, Llama-3.1-8B + Llama-3.2-1B draft (GPU roofline); each controller "
+            f"calibrated from it by bench -> calibrate ({cal_file.name}); at most {args.max_unavailable} restarting"
+        )
+    got = fleet_comparison.compare(
+        scenario,
+        model,
+        cal_file,
+        n,
+        args.router,
+        server=server,
+        baselines=not args.no_baselines,
+        on_tick=FleetProgress(scenario),
+        max_unavailable=args.max_unavailable,
+    )
+    fleet_comparison.print_table(got.rows, n, args.router)
+    line = fleet_comparison.verdict(got.rows, n, args.max_unavailable)
+    print(line)
+    plot = out / "timeline.png"
+    fleet_comparison.plot(got.result, got.t_windows, got.windows, plot)
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "scenario": scenario.name,
+                "calibration": str(cal_file),
+                "server": server,
+                "replicas": n,
+                "router": args.router,
+                "max_unavailable": args.max_unavailable,
+                "runs": got.rows,
+                "verdict": line,
                 "wall_s": time.perf_counter() - started,
             },
             indent=2,

@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration-s", type=float, default=None, help="stop after this many wall seconds (default: run until stopped)"
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="N > 1: a fleet of N replicas behind a router, receiving N times the scenario's rate; replica i "
+        "serves on --port + i and --admin-port + i (default 1)",
+    )
+    parser.add_argument("--router", default="lor", choices=("rr", "lor"), help="fleet: how the router splits the load")
 
 
 def build(args: argparse.Namespace):
@@ -61,6 +69,10 @@ def build(args: argparse.Namespace):
         scenario = scenario.with_changes(engine={"restart_downtime_s": args.restart_s, "restart_jitter_s": 0.0})
     model = calibration.load(calibration_path(args.calibration)).latency_model()
     token = read_admin_token(args.admin_token_file, args.insecure_no_token)
+    if not 1 <= args.replicas <= 64:
+        raise ConfigError(f"--replicas {args.replicas}: expected 1 to 64")
+    if args.replicas > 1:
+        return _build_fleet(args, scenario, model, token)
     engine = Engine(scenario, model, epoch_s=_time.time(), model_name=args.model_name, trace_speed=args.speed)
     try:
         return SimulatedServer(engine, port=args.port, admin_port=args.admin_port, token=token, host=args.host)
@@ -70,18 +82,53 @@ def build(args: argparse.Namespace):
         ) from None
 
 
+def _build_fleet(args: argparse.Namespace, scenario, model, token):
+    import time as _time
+
+    from controller.sim.engine import CalibratedCosts
+    from controller.sim.fleet import Fleet
+    from controller.sim.router import Router
+    from controller.sim.server import SimulatedFleet
+
+    n = args.replicas
+    fleet = Fleet(
+        scenario, CalibratedCosts(model), n, Router(args.router), epoch_s=_time.time(), trace_speed=args.speed
+    )
+    for e in fleet.engines:
+        e.model_name = args.model_name
+    ports = [args.port + i if args.port else 0 for i in range(n)]
+    admin_ports = [args.admin_port + i if args.admin_port else 0 for i in range(n)]
+    try:
+        return SimulatedFleet(fleet, host=args.host, ports=ports, admin_ports=admin_ports, token=token)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {args.host} ports {ports[0]}..{ports[-1]}/{admin_ports[0]}..{admin_ports[-1]}: "
+            f"{exc.strerror or exc}"
+        ) from None
+
+
 @exits_on_input_error
 def run(args: argparse.Namespace) -> int:
     server = build(args)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server.start()
-    sc = server.engine.scenario
-    print(
-        f"simulating {sc.name} at {args.speed:g}x: metrics {server.metrics_url}, admin {server.admin_url}",
-        file=sys.stderr,
-        flush=True,
-    )
+    if hasattr(server, "fleet"):
+        sc = server.fleet.scenario
+        where = ", ".join(f"{m} + {a}" for m, a in zip(server.metrics_urls, server.admin_urls, strict=True))
+        print(
+            f"simulating {sc.name} at {args.speed:g}x on {len(server.metrics)} replicas behind a {args.router} "
+            f"router: {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        sc = server.engine.scenario
+        print(
+            f"simulating {sc.name} at {args.speed:g}x: metrics {server.metrics_url}, admin {server.admin_url}",
+            file=sys.stderr,
+            flush=True,
+        )
     started = time.monotonic()
     try:
         while not stop.is_set():

@@ -38,6 +38,8 @@ class RestartGate:
         self._waits: Counter | None = None
         self._errors: Counter | None = None
         self._held: Gauge | None = None
+        self._fleet_sd: Gauge | None = None
+        self._fleet_target: Gauge | None = None
 
     def register(self, registry: CollectorRegistry) -> None:
         """Put the gate's metrics on the controller's registry."""
@@ -56,6 +58,18 @@ class RestartGate:
         for reason in (policy.Reason.SLOT_BUSY, policy.Reason.COORDINATION_UNAVAILABLE):
             self._waits.labels(reason.value)
         self._held.set(0)
+        self._fleet_sd = Gauge(
+            "sd_controller_fleet_sd_replicas", "Replicas of the fleet running SD, as published", registry=registry
+        )
+        self._fleet_target = Gauge(
+            "sd_controller_fleet_sd_target", "Replicas the fleet's plan wants on SD now (fleet.py)", registry=registry
+        )
+
+    def record_plan(self, sd_now: int, sd_target: int) -> None:
+        """Export the fleet's plan (k of N on SD now, and where it goes)."""
+        if self._fleet_sd is not None and self._fleet_target is not None:
+            self._fleet_sd.set(sd_now)
+            self._fleet_target.set(sd_target)
 
     def _count_error(self, op: str, exc: CoordinationError) -> None:
         if self._errors is not None:
@@ -106,6 +120,19 @@ class RestartGate:
             log.info("slot_acquired", slot=self.slot.key, replica_id=self.replica_id)
             self._set_held()
         return decision
+
+    def fleet_view(self, applied_enabled: bool | None) -> tuple[dict[str, bool | None], dict[str, float]] | None:
+        """Every replica's published SD state and when it last changed, this replica's own as
+        it is now; None when the backend cannot say (the fleet plan then stays out of it)."""
+        try:
+            states = self.coordinator.fleet_states()
+        except CoordinationError as exc:
+            self._count_error("fleet_states", exc)
+            return None
+        enabled = {s.replica_id: s.enabled for s in states}
+        changed = {s.replica_id: s.published_at for s in states}
+        enabled[self.replica_id] = applied_enabled
+        return enabled, changed
 
     def _holders(self) -> list[str]:
         try:

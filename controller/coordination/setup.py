@@ -16,6 +16,7 @@ from controller.coordination.base import CoordinationError, Coordinator
 from controller.coordination.gate import RestartGate
 from controller.coordination.none import NoCoordinator
 from controller.errors import ConfigError
+from controller.fleet import FleetRouting
 
 log = structlog.get_logger("sd_controller")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -59,6 +60,10 @@ class CoordinationSettings(BaseModel):
     )
     replica_id: str | None = Field(
         None, description="This replica's name in the fleet; empty: $POD_NAME, else the host name."
+    )
+    fleet_routing: FleetRouting = Field(
+        FleetRouting.NONE,
+        description="How the router balances the fleet: none (each replica decides alone), rr (round-robin: the fleet goes all on or all off, one replica per dwell) or lor (least outstanding requests: the fleet plans k of N replicas on SD). rr and lor need prometheus_fleet_selector and a coordination backend.",
     )
 
     @field_validator("coordination_endpoints")
@@ -134,6 +139,14 @@ def build_gate(s: Any) -> RestartGate:
             f"setting restart_slot_ttl_s ({group.restart_slot_ttl_s:g}) must be at least 3 × evaluation_interval_s"
             f" ({interval:g}): the slot is renewed once a tick"
         )
+    if group.fleet_routing is not FleetRouting.NONE:
+        # The plan reads every replica's state from the backend and the fleet's rate from Prometheus.
+        if group.coordination_backend is CoordinationBackend.NONE:
+            raise ConfigError(
+                f"setting fleet_routing={group.fleet_routing.value} needs coordination_backend etcd or kubernetes"
+            )
+        if not getattr(s, "prometheus_fleet_selector", None):
+            raise ConfigError(f"setting fleet_routing={group.fleet_routing.value} needs prometheus_fleet_selector")
     downtime = float(getattr(s, "restart_downtime_s", 0.0))
     if group.coordination_backend is not CoordinationBackend.NONE and group.restart_slot_ttl_s < downtime:
         # A holder that dies as its replica starts restarting frees the slot after the TTL: if

@@ -161,3 +161,59 @@ class SimulatedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class SimulatedFleet:
+    """A :class:`~controller.sim.fleet.Fleet` over HTTP: each replica its own /metrics server and
+    admin API (``ports[i]``, ``admin_ports[i]``; 0 picks a free one), one clock and one lock
+    for the whole fleet, the router inside. Use as a context manager."""
+
+    def __init__(
+        self,
+        fleet,
+        *,
+        host: str = "127.0.0.1",
+        ports: list[int] | None = None,
+        admin_ports: list[int] | None = None,
+        token: str | None = None,
+        run_clock: bool = True,
+    ) -> None:
+        n = len(fleet.engines)
+        ports, admin_ports = ports or [0] * n, admin_ports or [0] * n
+        if len(ports) != n or len(admin_ports) != n:
+            raise ValueError(f"{n} replicas need {n} ports and {n} admin ports")
+        self.fleet = fleet
+        self.lock = threading.Lock()
+        self.metrics = [MetricsServer((host, p), e, self.lock) for p, e in zip(ports, fleet.engines, strict=True)]
+        self.admins = [
+            AdminServer((host, a), SimSupervisor(e, self.lock, m.url), token)  # type: ignore[arg-type]
+            for a, e, m in zip(admin_ports, fleet.engines, self.metrics, strict=True)
+        ]
+        self.clock = SimClock(fleet, self.lock) if run_clock else None  # type: ignore[arg-type]
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        return [m.url + "/metrics" for m in self.metrics]
+
+    @property
+    def admin_urls(self) -> list[str]:
+        return [a.url for a in self.admins]
+
+    def start(self) -> SimulatedFleet:
+        for server in (*self.metrics, *self.admins):
+            server.start()
+        if self.clock is not None:
+            self.clock.start()
+        return self
+
+    def stop(self) -> None:
+        if self.clock is not None:
+            self.clock.stop()
+        for server in (*self.admins, *self.metrics):
+            server.stop()
+
+    def __enter__(self) -> SimulatedFleet:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

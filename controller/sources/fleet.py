@@ -30,13 +30,23 @@ FLEET_REPLICAS = "count(count by (namespace, pod, instance) (rate(vllm:request_s
 class FleetSource:
     """This replica's ``inner`` source, its observation completed with the fleet's figures."""
 
-    def __init__(self, inner: Source, prometheus: PrometheusSource, selector: str, rate_window_s: float) -> None:
+    def __init__(
+        self,
+        inner: Source,
+        prometheus: PrometheusSource,
+        selector: str,
+        rate_window_s: float,
+        long_window_s: float | None = None,
+    ) -> None:
         self.inner = inner
         self.prometheus = prometheus
         sel = selector.strip().strip("{}")
         window = f"{round(rate_window_s)}s"
         self.rate_query = FLEET_RATE.replace("$SEL", sel).replace("$W", window)
         self.replicas_query = FLEET_REPLICAS.replace("$SEL", sel).replace("$W", window)
+        self.long_query = (
+            FLEET_RATE.replace("$SEL", sel).replace("$W", f"{round(long_window_s)}s") if long_window_s else None
+        )
 
     def __getattr__(self, name: str):  # url and the like, as the wrapped source has them
         return getattr(self.inner, name)
@@ -53,7 +63,16 @@ class FleetSource:
             return obs
         if not (math.isfinite(rate) and rate >= 0 and math.isfinite(count) and count >= 1):
             return obs  # empty fleet, NaN: not known
-        return dataclasses.replace(obs, fleet_arrival_rate_rps=rate, fleet_replicas=round(count))
+        long = None
+        if self.long_query is not None:
+            try:
+                long = sum(v for _, v in self.prometheus.query(self.long_query, now))
+            except QueryFailed as exc:  # the trend is a refinement: the rate alone still serves
+                log.warning("fleet_query_failed", reason=exc.reason.value, detail=exc.detail)
+            long = long if long is not None and math.isfinite(long) and long >= 0 else None
+        return dataclasses.replace(
+            obs, fleet_arrival_rate_rps=rate, fleet_replicas=round(count), fleet_arrival_rate_long_rps=long
+        )
 
 
 def priced_for_fleet(cfg: PolicyConfig, obs: ObserveResult) -> PolicyConfig:

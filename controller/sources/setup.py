@@ -81,7 +81,7 @@ def build_source(s: Any, model: LatencyModel | None = None) -> Source:
             s.queries, s.prometheus_timeout_s, **bounds,
         )  # fmt: skip
         if s.prometheus_fleet_selector:
-            return FleetSource(source, source, s.prometheus_fleet_selector, s.rate_window_s)
+            return FleetSource(source, source, s.prometheus_fleet_selector, s.rate_window_s, s.long_window_s)
         return source
     if s.prometheus_fleet_selector:
         raise ConfigError("setting prometheus_fleet_selector: needs prometheus_url (the fleet is read from Prometheus)")
