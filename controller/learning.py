@@ -303,7 +303,7 @@ def steady_load(
     tolerance: float = STEADY_TOLERANCE,
 ) -> bool:
     """Whether the load held still over the long window: the short window's rate and the
-    highest one within the long window both lie within ``tolerance`` (plus three Poisson
+    highest one within the long window both lie within ``tolerance`` (plus two Poisson
     standard deviations of a window's count) of the long window's mean.
 
     The model predicts the latency of a load that stays; a window after a step or inside an
@@ -313,7 +313,7 @@ def steady_load(
     """
     if long_rps is None or long_rps <= 0:
         return True  # no long window to compare with: nothing says it moved
-    band = tolerance * long_rps + 3.0 * math.sqrt(long_rps / max(window_s, 1e-9))
+    band = tolerance * long_rps + 2.0 * math.sqrt(long_rps / max(window_s, 1e-9))
     if abs(rate_rps - long_rps) > band:
         return False
     return peak_rps is None or peak_rps - long_rps <= band

@@ -201,7 +201,7 @@ def test_a_busy_window_teaches_less(rate, limit, expected):
         (12.0, 9.0, 12.0, False),  # a step up in the last minute
         (9.0, 9.0, 12.0, False),  # oscillating: back at the mean now, but it peaked at 12
         (6.0, 9.0, 9.5, False),  # a step down
-        (2.6, 2.0, 2.6, True),  # low load: a minute holds 120 requests, ±30 % is noise
+        (2.5, 2.0, 2.5, True),  # low load: a minute holds 120 requests, +25 % is noise
         (5.0, None, None, True),  # no long window: nothing says it moved
     ],
 )
