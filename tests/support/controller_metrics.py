@@ -52,6 +52,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "sd_model_evidence_ticks": ("gauge", (), "ticks the correction learned from"),
     # registered by the restart gate (controller/coordination/gate.py) on the same registry
     "sd_controller_max_unavailable": ("gauge", (), "replicas allowed to restart at once"),
+    "sd_controller_restart_slot_waits": ("counter", ("reason",), "ticks a restart waited for a slot"),
+    "sd_controller_fleet_sd_replicas": ("gauge", (), "replicas of the fleet running SD"),
+    "sd_controller_fleet_sd_target": ("gauge", (), "replicas the fleet's plan wants on SD"),
 }
 STATES = ("enabled", "disabled", "pending", "failed", "override")
 
@@ -89,6 +92,8 @@ class FakeControllerExporter:
             self.metrics["sd_toggles"].labels(direction=direction)
         for reason in ("timeout", "http_error", "parse_error", "missing"):
             self.metrics["sd_controller_observation_failures"].labels(reason=reason)
+        for reason in ("restart_slot_busy", "coordination_unavailable"):
+            self.metrics["sd_controller_restart_slot_waits"].labels(reason=reason)
         for source, v in (("measured", 1), ("last", 0), ("prior", 0)):
             self.set("sd_acceptance_source", v, source=source)
         defaults = {
@@ -112,6 +117,8 @@ class FakeControllerExporter:
             "sd_projected_arrival_rate_rps": 1.6,
             "sd_restart_downtime_seconds": 75,
             "sd_controller_max_unavailable": 1,
+            "sd_controller_fleet_sd_replicas": 0,
+            "sd_controller_fleet_sd_target": 0,
         }
         for name, v in defaults.items():
             self.set(name, v)
