@@ -265,11 +265,12 @@ def assess(
         max_s=max(settings.gain_horizon_max_s, settings.dwell_s),
     )
     recent = recent_peak(state.rate_history, now)
-    forecast = forecast_peak(state.rate_history, now, settings.gain_horizon_max_s)
-    peak = expected_peak(
-        max((v for v in (forecast, recent[0] if recent else None) if v is not None), default=None),
-        settings.expected_peak_rps,
+    # What the next hours bring: the same hours on earlier days, or the operator's word...
+    ahead_peak = expected_peak(
+        forecast_peak(state.rate_history, now, settings.gain_horizon_max_s), settings.expected_peak_rps
     )
+    # ...and, for the way back after enabling, what the last hour saw (it may come back).
+    peak = expected_peak(ahead_peak, recent[0] if recent else None)
     off_be = bes[settings.disable_threshold]
     undo_cost = 0.0
     if not currently_on and settings.price_switches and not off_be.always_above and off_be.rate_rps is not None:
@@ -292,7 +293,7 @@ def assess(
         # better): the gain follows the fitted line over the horizon, never above the expected
         # peak (or twice the load plus one request per second without one) and never below half
         # the load (a line fitted to an evening does not run on to zero).
-        top = max(eval_rate, peak) if peak is not None else 2.0 * eval_rate + 1.0
+        top = max(eval_rate, ahead_peak) if ahead_peak is not None else 2.0 * eval_rate + 1.0
         step = horizon / GAIN_PATH_POINTS
         path = []
         for k in range(GAIN_PATH_POINTS):
