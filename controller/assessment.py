@@ -124,6 +124,10 @@ class Assessment:
     undo_cost_request_s: float = 0.0
     excursion_filter_s: float = 0.0
     applied_overloaded: bool = False
+    # The running mode's smoothed observed / predicted latency (the shell fills it in from the
+    # learner; None: no evidence yet). A model that misses the state it watches by more than
+    # model_error_threshold is not trusted with a restart.
+    model_error_ratio: float | None = None
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s

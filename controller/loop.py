@@ -13,6 +13,8 @@ notifier), so a test, a simulation or a backtest runs this very loop on virtual 
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import threading
 from collections.abc import Callable
@@ -178,6 +180,9 @@ class Controller:
                 self.learner.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now
             )
         learned = self.learner.learn(now, state, obs, assessment, status)
+        if assessment is not None and state.applied_enabled is not None:
+            ratio = self.learner.posterior.error_ratio("on" if state.applied_enabled else "off")
+            assessment = dataclasses.replace(assessment, model_error_ratio=ratio)
         decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
         if self.gate is not None and assessment is not None and isinstance(obs, Observation):
             decision = self._fleet_plan(decision, state, obs, assessment, now)  # fleet mode: k of N (fleet.py)

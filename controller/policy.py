@@ -60,6 +60,7 @@ class Reason(StrEnum):
     ROUND_TRIP = "round_trip_cost_exceeds_gain"  # enabling must also pay the restart back at the peak
     EXCURSION = "excursion_shorter_than_restart"  # the signal has not outlasted a restart yet
     STARTUP = "startup_keeps_launched_state"  # no history yet, and the launched state is not wrong
+    MODEL_ERROR = "model_error_exceeds_threshold"  # the model misses the running mode: no restart on its word
     # the model-free safety net (safety_net below)
     OBSERVED_SD_HARM = "observed_sd_harm"
     QUEUE_GROWTH = "queue_growth"
@@ -349,6 +350,19 @@ def decide(
             on,
             state,
         )
+    err = assessment.model_error_ratio
+    if risk and not assessment.applied_overloaded and err is not None and err > 0:
+        if abs(math.log(err)) > math.log1p(settings.model_error_threshold):
+            # A model that mispredicts the state it watches (a calibration from another server,
+            # a driver upgrade) would price the other state just as wrongly: the correction
+            # catches up first. Overload and the safety net still act.
+            return out(
+                Action.NONE,
+                Reason.MODEL_ERROR,
+                f"{detail}; observed/predicted latency {err:.2f} beyond ±{settings.model_error_threshold:.0%}",
+                on,
+                state,
+            )
     if state.last_change_at is not None and now - state.last_change_at < settings.dwell_s:
         left = settings.dwell_s - (now - state.last_change_at)
         return out(Action.NONE, Reason.DWELL, f"{detail}; dwell holds {left:.0f}s more", on, state)
