@@ -274,3 +274,30 @@ def test_length_spread_from_the_histogram_buckets():
     assert o.gen_tokens_std == pytest.approx(float(np.std(done[:, F_GEN])), rel=0.15)
     assert o.prompt_tokens_std == pytest.approx(float(np.std(done[:, F_PROMPT])), rel=0.15)
     assert o.mean_gen_tokens == pytest.approx(float(np.mean(done[:, F_GEN])), rel=0.02)
+
+
+def test_a_body_cut_off_mid_transfer_is_an_unreachable_observation_not_a_crash():
+    """A server that promises 15 kB and closes after 10 bytes (a vLLM killed mid-scrape)."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        for _ in range(2):  # the first try and the retry
+            conn, _ = srv.accept()
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 14884\r\n\r\nvllm:num_r")
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        got = VllmMetricsSource(url=f"http://127.0.0.1:{port}/metrics", timeout_s=2.0).observe(time.time())
+    finally:
+        t.join(timeout=5)
+        srv.close()
+    assert isinstance(got, ObservationFailure) and got.reason is FailureReason.UNREACHABLE

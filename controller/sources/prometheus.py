@@ -135,7 +135,10 @@ class PrometheusSource:
         self._observe_deadline: float | None = None  # monotonic; all queries of one observe
 
     @retry(
-        retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout)),
+        # A body cut off mid-transfer (ChunkedEncodingError) is a broken connection too.
+        retry=retry_if_exception_type(
+            (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+        ),
         stop=stop_after_attempt(2),
         wait=wait_fixed(0.5),
         reraise=True,
@@ -155,7 +158,7 @@ class PrometheusSource:
         """Instant vector as (labels, value) pairs; raises :class:`QueryFailed` with a reason."""
         try:
             resp = self._get(promql, now)
-        except (requests.ConnectionError, requests.Timeout) as exc:
+        except requests.RequestException as exc:  # refused, timed out, or cut off mid-body
             raise QueryFailed(FailureReason.UNREACHABLE, f"{self.url}: {type(exc).__name__}") from None
         try:
             body = resp.json()

@@ -234,7 +234,10 @@ class VllmMetricsSource:
         self._implausible_streak = 0
 
     @retry(
-        retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout)),
+        # A body cut off mid-transfer (ChunkedEncodingError) is a broken connection too.
+        retry=retry_if_exception_type(
+            (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+        ),
         stop=stop_after_attempt(2),
         wait=wait_fixed(0.5),
         reraise=True,
@@ -250,7 +253,7 @@ class VllmMetricsSource:
     def observe(self, now: float) -> ObserveResult:
         try:
             text = self._fetch()
-        except (requests.ConnectionError, requests.Timeout) as exc:
+        except requests.RequestException as exc:  # refused, timed out, or cut off mid-body
             return ObservationFailure(FailureReason.UNREACHABLE, f"{self.url}: {type(exc).__name__}")
         except _HttpStatus as exc:
             return ObservationFailure(FailureReason.HTTP_ERROR, f"{self.url}: HTTP {exc.status}")
