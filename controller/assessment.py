@@ -27,8 +27,9 @@ from controller.risk import (
     expected_peak,
     forecast_peak,
     forecast_time_to,
-    history_slope,
+    history_fit,
     recent_peak,
+    trend_is_material,
 )
 from controller.state import ControllerState
 from controller.switch_cost import (
@@ -128,6 +129,10 @@ class Assessment:
     # learner; None: no evidence yet). A model that misses the state it watches by more than
     # model_error_threshold is not trusted with a restart.
     model_error_ratio: float | None = None
+    # Whether something forecasts how long the load lasts: the same hours on earlier days in
+    # the history, or a material fitted trend. Without it the policy rents (risk.rented_gain):
+    # the gain counts only as long as the switch signal has already held.
+    horizon_forecast: bool = True
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -250,7 +255,8 @@ def assess(
         here = (here[0], math.inf, *here[2:])
     # The trend the gain follows: a line through the last hour of the rate history when there
     # is one, else the two rate windows (noisy: used for the horizon only).
-    fitted = history_slope(state.rate_history, now)
+    fit = history_fit(state.rate_history, now)
+    fitted = fit[0] if fit is not None else None
     slope = (
         fitted
         if fitted is not None
@@ -270,9 +276,8 @@ def assess(
     )
     recent = recent_peak(state.rate_history, now)
     # What the next hours bring: the same hours on earlier days, or the operator's word...
-    ahead_peak = expected_peak(
-        forecast_peak(state.rate_history, now, settings.gain_horizon_max_s), settings.expected_peak_rps
-    )
+    history_peak = forecast_peak(state.rate_history, now, settings.gain_horizon_max_s)
+    ahead_peak = expected_peak(history_peak, settings.expected_peak_rps)
     # ...and, for the way back after enabling, what the last hour saw (it may come back).
     peak = expected_peak(ahead_peak, recent[0] if recent else None)
     off_be = bes[settings.disable_threshold]
@@ -331,6 +336,7 @@ def assess(
         expected_peak_rps=peak,
         trend_speedup=trend_p.speedup,
         undo_cost_request_s=undo_cost,
+        horizon_forecast=history_peak is not None or trend_is_material(fit, eval_rate),
         excursion_filter_s=excursion_filter_s(
             downtime,
             settings.restart_drain_s,

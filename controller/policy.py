@@ -27,7 +27,7 @@ from controller.config import OverrideMode, PolicyConfig
 from controller.events import Event, EventKind
 from controller.hooks.base import HookPhase, HookStatus
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
-from controller.risk import HISTORY_BUCKET_S, in_startup_hold, persisted_since, record_rate
+from controller.risk import HISTORY_BUCKET_S, in_startup_hold, persisted_since, record_rate, rented_gain
 from controller.state import ControllerState, PendingChange
 
 MAX_RESTART_DURATIONS = 20
@@ -58,6 +58,7 @@ class Reason(StrEnum):
     APPLIED_UNKNOWN = "applied_state_unknown"
     SWITCH_COST = "switch_cost_exceeds_gain"
     ROUND_TRIP = "round_trip_cost_exceeds_gain"  # enabling must also pay the restart back at the peak
+    NOT_LASTED = "load_not_lasted_long_enough"  # unforecast load: its gain so far has not paid the restart yet
     EXCURSION = "excursion_shorter_than_restart"  # the signal has not outlasted a restart yet
     STARTUP = "startup_keeps_launched_state"  # no history yet, and the launched state is not wrong
     MODEL_ERROR = "model_error_exceeds_threshold"  # the model misses the running mode: no restart on its word
@@ -381,6 +382,19 @@ def decide(
     if settings.price_switches and not floor_hit:
         gain, cost = assessment.projected_gain_request_s, assessment.switch_cost_request_s
         back = assessment.undo_cost_request_s if want_on else 0.0
+        rented = gain
+        if risk and settings.load_age_prior and not assessment.horizon_forecast:
+            rented = rented_gain(gain, lasted, assessment.gain_horizon_s)
+        if gain > settings.switch_margin * (cost + back) and not rented > settings.switch_margin * (cost + back):
+            return out(
+                Action.NONE,
+                Reason.NOT_LASTED,
+                f"{detail}; no forecast of how long this load lasts: its gain over the {lasted:.0f}s it "
+                f"has held, {rented:.0f} req·s, < {settings.switch_margin}× (cost {cost:.0f} req·s"
+                + (f" + the restart back {back:.0f} req·s)" if back else ")"),
+                on,
+                state,
+            )
         if not (math.isinf(gain) and gain > 0) and not gain > settings.switch_margin * (cost + back):
             why = Reason.SWITCH_COST if gain <= settings.switch_margin * cost else Reason.ROUND_TRIP
             extra = f" + the restart back at the expected peak {back:.0f} req·s" if back else ""
@@ -414,6 +428,7 @@ class NetTrip:
     reason: Reason
     detail: str
     stay_cost_request_s: float
+    horizon_s: float = 0.0  # what the stay cost is counted over
 
 
 def safety_net(
@@ -461,13 +476,13 @@ def safety_net(
         # Staying: today's queue waits the whole horizon, and it keeps growing (a triangle).
         stay = waiting * horizon + 0.5 * slope * horizon * horizon
         detail = f"waiting queue grew {grow_ticks} ticks in a row to {waiting:.0f} (+{slope * 60:.1f}/min)"
-        return state, NetTrip(Reason.QUEUE_GROWTH, detail, stay)
+        return state, NetTrip(Reason.QUEUE_GROWTH, detail, stay, horizon)
     if harm_ticks >= n and observed is not None:
         stay = rate * horizon * (observed - off)
         detail = (
             f"observed {observed:.2f}s > {settings.sd_harm_margin}× predicted SD-off {off:.2f}s for {harm_ticks} ticks"
         )
-        return state, NetTrip(Reason.OBSERVED_SD_HARM, detail, stay)
+        return state, NetTrip(Reason.OBSERVED_SD_HARM, detail, stay, horizon)
     return state, None
 
 
@@ -488,12 +503,29 @@ def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a:
         detail = f"{net.detail}; for {lasted:.0f}s < {a.excursion_filter_s:.0f}s (restart + drain)"
         return out(Action.NONE, Reason.EXCURSION, detail, on, state)
     cost = a.switch_cost_request_s
-    if settings.price_switches and not net.stay_cost_request_s > settings.switch_margin * cost:
+    stay = net.stay_cost_request_s
+    if settings.price_switches and not stay > settings.switch_margin * cost:
         detail = (
-            f"{net.reason.value}: {net.detail}; staying costs {net.stay_cost_request_s:.0f} req·s "
+            f"{net.reason.value}: {net.detail}; staying costs {stay:.0f} req·s "
             f"< {settings.switch_margin}× restart {cost:.0f} req·s"
         )
         return out(Action.NONE, Reason.SAFETY_NET_HELD, detail, on, state)
+    if (
+        settings.price_switches
+        and settings.load_age_prior
+        and net.reason is Reason.OBSERVED_SD_HARM
+        and not a.horizon_forecast
+    ):
+        # Nothing says how long this load lasts: what the harm has cost so far must pay for the
+        # restart first (a growing queue needs no rent: it does not end by itself).
+        paid = rented_gain(stay, lasted, net.horizon_s)
+        if not paid > settings.switch_margin * cost:
+            detail = (
+                f"{net.reason.value}: {net.detail}; no forecast of how long this load lasts: the harm "
+                f"over the {lasted:.0f}s it has held, {paid:.0f} req·s, < {settings.switch_margin}× "
+                f"restart {cost:.0f} req·s"
+            )
+            return out(Action.NONE, Reason.NOT_LASTED, detail, on, state)
     # Remember it like a seen congestion, so the model cannot re-enable SD into it right away.
     seen = state.sd_congested_rate_rps
     state = dataclasses.replace(
@@ -501,7 +533,7 @@ def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a:
         sd_congested_rate_rps=a.arrival_rate_rps if seen is None else min(seen, a.arrival_rate_rps),
         sd_congested_at=now,
     )
-    detail = f"{net.detail}; staying costs {net.stay_cost_request_s:.0f} req·s, restart {cost:.0f} req·s"
+    detail = f"{net.detail}; staying costs {stay:.0f} req·s, restart {cost:.0f} req·s"
     return out(Action.DISABLE, net.reason, detail, False, state)
 
 

@@ -14,6 +14,14 @@ table-tested one by one, the way the Kubernetes HPA tests its stabilization wind
   windows does not see tomorrow morning.
 * **Startup hold.** A controller that just started has no trend and no history of its own: it
   keeps the state vLLM was launched with unless that state is clearly wrong now.
+* **A load lasts about as long as it has lasted.** When nothing forecasts how long the load
+  that wants a switch will last (no earlier days in the history, no material trend), the
+  scale-free prior is Gott's (Lindy's): a load seen for ``a`` seconds is still there ``T``
+  seconds later with probability a/(a + T). A switch's gain over a horizon H is then worth
+  its rate times a·ln(1 + H/a) (:func:`rented_gain`): a few minutes of a new load vouch for
+  little, an hour of it for most of an hour's gain. It keeps a step that reverses within the
+  hour, or a launch into a load about to change, from a restart that never pays back, and
+  asks a quiet hour to last before a restart is spent on it.
 """
 
 from __future__ import annotations
@@ -33,6 +41,11 @@ TREND_FIT_S = 3600.0
 TREND_MIN_BUCKETS = 6
 # A load seen within the last hour plausibly comes back: an oscillation, repeated spikes.
 RECENT_PEAK_S = 3600.0
+# A fitted trend forecasts the load only if it moves it by this fraction (and at least
+# TREND_MIN_RPS) within TREND_FIT_S; a flatter line is the rate's noise.
+TREND_MIN_CHANGE = 0.10
+TREND_MIN_RPS = 0.5
+TREND_MIN_R2 = 0.8
 
 
 def backlog_drain_s(rate_rps: float, downtime_s: float, capacity_rps: float) -> float:
@@ -106,15 +119,16 @@ def record_rate(history: RateHistory, now: float, rate_rps: float, bucket_s: flo
     return tuple(items[first:])
 
 
-def history_slope(
+def history_fit(
     history: RateHistory,
     now: float,
     bucket_s: float = HISTORY_BUCKET_S,
     window_s: float = TREND_FIT_S,
     min_buckets: int = TREND_MIN_BUCKETS,
-) -> float | None:
-    """The load trend in req/s per second: least-squares slope through the complete buckets of
-    the last ``window_s``; None with fewer than ``min_buckets`` of them.
+) -> tuple[float, float] | None:
+    """``(slope, r²)``: the least-squares line through the complete buckets of the last
+    ``window_s`` (req/s per second) and the share of their variance it explains; None with
+    fewer than ``min_buckets`` of them.
 
     Two rate windows (a minute against a quarter hour) give a slope whose noise, carried over
     the hours a switch is priced for, is larger than any real trend; a line through an hour of
@@ -130,7 +144,42 @@ def history_slope(
     var = sum((t - mt) ** 2 for t, _ in pts)
     if var <= 0.0:
         return None
-    return sum((t - mt) * (r - mr) for t, r in pts) / var
+    slope = sum((t - mt) * (r - mr) for t, r in pts) / var
+    total = sum((r - mr) ** 2 for _, r in pts)
+    r2 = 1.0 if total <= 0.0 else min(slope * slope * var / total, 1.0)
+    return slope, r2
+
+
+def history_slope(history: RateHistory, now: float, **kw) -> float | None:
+    """The load trend in req/s per second (:func:`history_fit`'s slope), or None."""
+    fit = history_fit(history, now, **kw)
+    return fit[0] if fit is not None else None
+
+
+def trend_is_material(fit: tuple[float, float] | None, rate_rps: float) -> bool:
+    """Whether a fitted trend ``(slope, r²)`` forecasts the load: a line that explains most of
+    the last hour (r² ≥ TREND_MIN_R2: a spike or a step in it is not a line) and moves the load
+    by at least TREND_MIN_CHANGE of it (and TREND_MIN_RPS) within TREND_FIT_S, either way. Then
+    the line, not the load's age, says where the load goes (and
+    :func:`~controller.switch_cost.gain_horizon` when it undoes the switch)."""
+    if fit is None or not math.isfinite(fit[0]):
+        return False
+    slope, r2 = fit
+    return r2 >= TREND_MIN_R2 and abs(slope) * TREND_FIT_S >= max(TREND_MIN_CHANGE * rate_rps, TREND_MIN_RPS)
+
+
+def rented_gain(gain: float, lasted_s: float, horizon_s: float) -> float:
+    """A switch's projected gain over ``horizon_s``, weighted by the chance that the load that
+    wants it is still there (it has lasted ``lasted_s``): the gain's rate times
+    a·ln(1 + H/a), at most the whole gain (the load's age vouches for nothing beyond it).
+
+    Infinite gains (leaving or entering an overload) are what they are: they need no rent.
+    """
+    if not math.isfinite(gain) or horizon_s <= 0.0:
+        return gain
+    if lasted_s <= 0.0:
+        return 0.0
+    return gain * min(lasted_s / horizon_s * math.log1p(horizon_s / lasted_s), 1.0)
 
 
 def recent_peak(

@@ -505,3 +505,34 @@ def test_a_spike_that_is_over_does_not_keep_the_signal_alive():
 def test_no_re_enable_while_the_last_acceptance_is_under_the_floor(source, rate, reason):
     d, _ = decide(S, off_state(), obs(), assessment(1.5, acc=rate, source=source), AUTO, T0)
     assert d.reason is reason and d.acts is (reason is Reason.SPEEDUP_HIGH)
+
+
+@pytest.mark.parametrize(
+    ("on", "lasted", "forecast", "gain", "prior", "acts", "reason"),
+    [
+        # gain 1000 over a 4 h horizon against a cost of 200 (margin 1): an unforecast load must
+        # be old enough that the chance it stays makes its expected gain pass the cost
+        (True, 300.0, False, 1000.0, True, False, Reason.NOT_LASTED),  # 5 min vouch for 81 req·s
+        (True, 1800.0, False, 1000.0, True, True, Reason.SPEEDUP_LOW),  # half an hour for 275
+        (False, 300.0, False, 1000.0, True, False, Reason.NOT_LASTED),  # enabling the same way
+        (True, 300.0, True, 1000.0, True, True, Reason.SPEEDUP_LOW),  # forecast (history, a line)
+        (True, 300.0, False, math.inf, True, True, Reason.SPEEDUP_LOW),  # leaving an overload: no rent
+        (True, 300.0, False, 1000.0, False, True, Reason.SPEEDUP_LOW),  # load_age_prior off
+        (True, 1800.0, False, 150.0, True, False, Reason.SWITCH_COST),  # not even the whole gain pays
+    ],
+)
+def test_an_unforecast_load_must_have_lasted_for_its_gain_to_count(on, lasted, forecast, gain, prior, acts, reason):
+    settings = RISK.model_copy(update={"load_age_prior": prior})
+    speedup = 0.9 if on else 1.5
+    a = dataclasses.replace(
+        risky(speedup),
+        projected_gain_request_s=gain,
+        switch_cost_request_s=200.0,
+        gain_horizon_s=14400.0,
+        horizon_forecast=forecast,
+    )
+    state = (on_state if on else off_state)(switch_wanted_since=T0 - lasted, switch_wanted_enabled=not on)
+    d, _ = decide(settings.policy, state, obs(), a, AUTO, T0)
+    assert (d.acts, d.reason) == (acts, reason)
+    if reason is Reason.NOT_LASTED:
+        assert "no forecast of how long this load lasts" in d.detail

@@ -1,5 +1,6 @@
 """The model-free safety net (policy.safety_net), table-tested on virtual time like test_policy."""
 
+import dataclasses
 import math
 
 import pytest
@@ -133,3 +134,25 @@ def test_safety_net_waits_out_an_excursion_shorter_than_a_restart():
     assert decisions[-1] == (Action.NONE, Reason.EXCURSION)
     decisions, _ = run(fast, on_state(), harm(4), a=a)  # 240 s: it has outlasted a restart
     assert decisions[-1] == (Action.DISABLE, Reason.OBSERVED_SD_HARM)
+
+
+@pytest.mark.parametrize(
+    ("forecast", "cost", "expected"),
+    [
+        # staying: 750 req·s over the 300 s horizon; the harm has held 180 s, which vouches for
+        # 750 × 180/300 × ln(1 + 300/180) = 441 of it
+        (True, 300.0, (Action.DISABLE, Reason.OBSERVED_SD_HARM)),  # forecast: 750 > 2 × 300
+        (False, 300.0, (Action.NONE, Reason.NOT_LASTED)),  # unforecast: 441 < 2 × 300
+        (False, 200.0, (Action.DISABLE, Reason.OBSERVED_SD_HARM)),  # 441 > 2 × 200
+    ],
+)
+def test_unforecast_harm_must_have_cost_its_restart_before_it_acts(forecast, cost, expected):
+    a = dataclasses.replace(assessment(1.5, gain=-100.0, cost=cost), horizon_forecast=forecast)
+    decisions, _ = run(PRICED, on_state(), harm(3), a=a)
+    assert decisions[-1] == expected
+
+
+def test_a_growing_queue_needs_no_forecast():
+    a = dataclasses.replace(assessment(1.5, gain=-100.0, cost=10.0), horizon_forecast=False)
+    decisions, _ = run(PRICED, on_state(), queue([2, 4, 6, 8]), a=a)
+    assert decisions[-1] == (Action.DISABLE, Reason.QUEUE_GROWTH)

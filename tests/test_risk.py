@@ -11,10 +11,13 @@ from controller.risk import (
     expected_peak,
     forecast_peak,
     forecast_time_to,
+    history_fit,
     history_slope,
     in_startup_hold,
     persisted_since,
     record_rate,
+    rented_gain,
+    trend_is_material,
 )
 
 T0 = 1_800_000_000.0
@@ -159,3 +162,50 @@ def test_the_filter_waits_for_the_backlog_near_capacity_and_is_capped():
 def test_history_slope_fits_the_last_hour_of_complete_buckets(points, now, expected):
     got = history_slope(tuple(points), now)
     assert got == (None if expected is None else pytest.approx(expected))
+
+
+@pytest.mark.parametrize(
+    ("points", "rate", "material"),
+    [
+        ([(k * 300.0, 2.0 + 0.2 * k) for k in range(12)], 4.0, True),  # +2.4 req/s an hour, a clean line
+        ([(k * 300.0, 8.0 + 0.05 * k) for k in range(12)], 8.5, False),  # +0.6 an hour: under 10 % of 8.5
+        ([(k * 300.0, 1.0 + 0.05 * k) for k in range(12)], 1.5, True),  # +0.6: over the 0.5 req/s floor
+        # a 10-minute spike in an otherwise flat hour tilts the line, but no line explains it
+        ([(k * 300.0, 14.8 if k in (4, 5) else 3.0) for k in range(12)], 3.0, False),
+        ([(k * 300.0, 12.0 - 0.3 * k) for k in range(12)], 9.0, True),  # falling counts as well
+        ([(k * 300.0, 5.0) for k in range(12)], 5.0, False),  # flat
+        ([(k * 300.0, 2.0 + k) for k in range(4)], 5.0, False),  # no fit yet
+    ],
+)
+def test_a_trend_forecasts_the_load_only_if_it_is_a_steady_line_that_moves_it(points, rate, material):
+    assert trend_is_material(history_fit(tuple(points), 3600.0), rate) is material
+
+
+def test_history_fit_says_how_much_of_the_hour_the_line_explains():
+    line = history_fit(tuple((k * 300.0, 2.0 + k) for k in range(12)), 3600.0)
+    assert line == (pytest.approx(1.0 / 300.0), pytest.approx(1.0))
+    step = history_fit(tuple((k * 300.0, 2.0 if k < 6 else 12.0) for k in range(12)), 3600.0)
+    assert step[0] > 0 and 0.5 < step[1] < 0.8  # a step in mid-hour: a slope, a poor line
+
+
+@pytest.mark.parametrize(
+    ("gain", "lasted", "horizon", "expected"),
+    [
+        (1000.0, 3600.0, 3600.0, 1000.0 * math.log(2.0)),  # an hour old: P(still there) = 1/(1 + T/1h)
+        (1000.0, 360.0, 14400.0, 1000.0 * 360.0 / 14400.0 * math.log(41.0)),  # six minutes vouch for 9 %
+        (1000.0, 1e9, 3600.0, pytest.approx(1000.0, rel=1e-5)),  # an age far beyond the horizon: nearly all
+        (1000.0, 0.0, 3600.0, 0.0),  # a load that just appeared vouches for nothing
+        (-500.0, 3600.0, 3600.0, -500.0 * math.log(2.0)),  # a loss is weighed the same way
+        (math.inf, 10.0, 3600.0, math.inf),  # leaving an overload needs no rent
+        (-math.inf, 10.0, 3600.0, -math.inf),
+    ],
+)
+def test_rented_gain_weighs_the_gain_by_the_chance_the_load_is_still_there(gain, lasted, horizon, expected):
+    assert rented_gain(gain, lasted, horizon) == pytest.approx(expected)
+
+
+def test_rented_gain_grows_with_the_load_age_and_never_passes_the_whole_gain():
+    ages = [60.0 * k for k in range(1, 600)]
+    got = [rented_gain(1000.0, a, 7200.0) for a in ages]
+    assert all(b >= a for a, b in zip(got, got[1:]))
+    assert max(got) <= 1000.0

@@ -70,14 +70,15 @@ def day(low=3.0, high=15.0):
 
 
 def test_replay_disables_under_load_and_enables_after(tmp_path, model):
-    steps = steps_from_rows(read_rows(write_csv(tmp_path / "h.csv", day())))
+    steps = steps_from_rows(read_rows(write_csv(tmp_path / "h.csv", day() + [3.0] * 90)))
     result = replay(settings(), model, steps)
     acts = result.decisions
-    # Each signal must first outlast a restart (90 s down + 30 s drain: two one-minute steps).
-    # Enabling waits longer: the last hour saw 15 req/s, past SD's break-even, so the restart
-    # back is part of the price until the gain, counted for as long as the peak has been gone,
-    # pays for both (risk.recent_peak) — 54 minutes after the step down, not 2.
-    assert [(r.action, r.time_s) for r in acts] == [("disable", 3720.0), ("enable", 12360.0)]
+    # Each signal must first outlast a restart (90 s down + 30 s drain: two one-minute steps);
+    # leaving an overloaded SD needs nothing more. Enabling waits far longer: for an hour the
+    # peak is recent, so the restart back is part of the price (risk.recent_peak); and nothing
+    # forecasts how long the quiet load lasts, so its gain counts only as far as its age
+    # vouches for it (risk.rented_gain) — 164 minutes after the step down, not 2.
+    assert [(r.action, r.time_s) for r in acts] == [("disable", 3720.0), ("enable", 18840.0)]
     d, e = acts
     assert d.reason == "speedup_below_disable_threshold" and d.predicted_speedup < 1.05
     assert e.reason == "speedup_above_enable_threshold" and e.predicted_speedup > 1.2
@@ -86,7 +87,8 @@ def test_replay_disables_under_load_and_enables_after(tmp_path, model):
     assert all(r.recorded_enabled is True for r in result.records)
     assert [r.controller_enabled for r in result.records[61:63]] == [True, False]
     assert result.records[152].controller_enabled is False  # still waiting out the recent peak
-    assert result.records[207].controller_enabled is True
+    assert result.records[207].controller_enabled is False  # the quiet load is an hour old
+    assert result.records[315].controller_enabled is True
     assert d.switch_cost_request_s > 0 and e.switch_cost_request_s > 0
     assert result.switch_cost_request_s == pytest.approx(d.switch_cost_request_s + e.switch_cost_request_s)
 
