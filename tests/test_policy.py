@@ -512,16 +512,16 @@ def test_no_re_enable_while_the_last_acceptance_is_under_the_floor(source, rate,
     [
         # gain 1000 over a 4 h horizon against a cost of 200 (margin 1): an unforecast load must
         # be old enough that the chance it stays makes its expected gain pass the cost
-        (True, 300.0, False, 1000.0, True, False, Reason.NOT_LASTED),  # 5 min vouch for 81 req·s
-        (True, 1800.0, False, 1000.0, True, True, Reason.SPEEDUP_LOW),  # half an hour for 275
-        (False, 300.0, False, 1000.0, True, False, Reason.NOT_LASTED),  # enabling the same way
-        (True, 300.0, True, 1000.0, True, True, Reason.SPEEDUP_LOW),  # forecast (history, a line)
-        (True, 300.0, False, math.inf, True, True, Reason.SPEEDUP_LOW),  # leaving an overload: no rent
-        (True, 300.0, False, 1000.0, False, True, Reason.SPEEDUP_LOW),  # load_age_prior off
-        (True, 1800.0, False, 150.0, True, False, Reason.SWITCH_COST),  # not even the whole gain pays
+        (False, 300.0, False, 1000.0, True, False, Reason.NOT_LASTED),  # 5 min vouch for 81 req·s
+        (False, 1800.0, False, 1000.0, True, True, Reason.SPEEDUP_HIGH),  # half an hour for 275
+        (False, 300.0, True, 1000.0, True, True, Reason.SPEEDUP_HIGH),  # forecast (history, a line)
+        (False, 300.0, False, math.inf, True, True, Reason.SPEEDUP_HIGH),  # only SD keeps up: no rent
+        (False, 300.0, False, 1000.0, False, True, Reason.SPEEDUP_HIGH),  # load_age_prior off
+        (False, 1800.0, False, 150.0, True, False, Reason.SWITCH_COST),  # not even the whole gain pays
+        (True, 300.0, False, 1000.0, True, True, Reason.SPEEDUP_LOW),  # disabling pays no rent
     ],
 )
-def test_an_unforecast_load_must_have_lasted_for_its_gain_to_count(on, lasted, forecast, gain, prior, acts, reason):
+def test_an_unforecast_quiet_load_must_have_lasted_before_sd_is_enabled_on_it(on, lasted, forecast, gain, prior, acts, reason):
     settings = RISK.model_copy(update={"load_age_prior": prior})
     speedup = 0.9 if on else 1.5
     a = dataclasses.replace(
