@@ -117,6 +117,7 @@ class Assessment:
     # Prediction interval of the speedup at the projected rate (calibration residuals).
     speedup_lo: float = math.nan
     speedup_hi: float = math.nan
+    projected_speedup: float = math.nan  # the interval's middle: the speedup at the projected rate
     # Risk terms (controller/risk.py): the peak the next hours may bring (history or operator),
     # the restart back that enabling SD commits to when that peak passes SD's break-even, how
     # long a switch signal must persist, and whether the applied state is wrong right now.
@@ -133,6 +134,9 @@ class Assessment:
     # the history, or a material fitted trend. Without it the policy rents (risk.rented_gain):
     # the gain counts only as long as the switch signal has already held.
     horizon_forecast: bool = True
+    # Posterior sd of the log speedup at the projected rate (the shell fills it in from the
+    # learner while SD is off; None: no online correction, or not computed).
+    speedup_log_sd: float | None = None
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -333,6 +337,7 @@ def assess(
         congested=congested,
         speedup_lo=eval_p.speedup_lo,
         speedup_hi=eval_p.speedup_hi,
+        projected_speedup=eval_p.speedup,
         expected_peak_rps=peak,
         trend_speedup=trend_p.speedup,
         undo_cost_request_s=undo_cost,
@@ -347,6 +352,19 @@ def assess(
         ),
         applied_overloaded=congested or math.isinf(now_cur),
     )
+
+
+def pessimistic_speedup(a: Assessment, z: float) -> float:
+    """The decision's speedup with the posterior's uncertainty taken off too: the calibration's
+    interval (its log half-width) and ``z`` posterior sds of the log speedup, combined in
+    quadrature around the projected speedup. Unchanged without a posterior width."""
+    sd = a.speedup_log_sd
+    s = a.decision_speedup
+    mean = a.projected_speedup
+    if sd is None or sd <= 0.0 or z <= 0.0 or not (math.isfinite(mean) and mean > 0 and math.isfinite(s) and s > 0):
+        return s
+    cal = max(math.log(mean / s), 0.0)  # the calibration interval already taken (0: none)
+    return mean * math.exp(-math.hypot(cal, z * sd))
 
 
 def _cost_back_off(

@@ -192,6 +192,34 @@ def scaled_model(model: LatencyModel, factors: tuple[float, ...]) -> LatencyMode
     )
 
 
+def log_speedup_sd(
+    posterior: Posterior,
+    config: CorrectionConfig,
+    base_model: LatencyModel,
+    speedup_at: Callable[[LatencyModel], float],
+    step: float = FD_STEP,
+) -> float | None:
+    """Posterior sd of the log of a predicted speedup: √(gᵀΣg), g its gradient in the four
+    log-factors (finite differences of the real solver at the posterior mean), Σ their covariance.
+
+    What the evidence pins down adds nothing; what it does not (the SD-only terms while SD has
+    not run, the split between the target's fixed and load terms at one load level) adds its
+    whole width. None when the speedup is not a positive finite number there.
+    """
+    f = posterior.factors
+    s0 = speedup_at(scaled_model(base_model, f))
+    if not (math.isfinite(s0) and s0 > 0):
+        return None
+    g = np.zeros(len(f))
+    for i in range(len(f)):
+        moved = tuple(x * math.exp(step) if j == i else x for j, x in enumerate(f))
+        si = speedup_at(scaled_model(base_model, moved))
+        if not (math.isfinite(si) and si > 0):
+            return None
+        g[i] = (math.log(si) - math.log(s0)) / step
+    return float(math.sqrt(max(float(g @ posterior.covariance(config) @ g), 0.0)))
+
+
 @dataclass(frozen=True)
 class Update:
     """What one piece of evidence did to the posterior (for the log and the metrics)."""

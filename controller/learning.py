@@ -22,11 +22,20 @@ import structlog
 
 from controller.assessment import AcceptanceSource, Assessment
 from controller.atomic import write_bytes_atomic
-from controller.correction import TERMS, CorrectionConfig, Posterior, Update, scaled_model, track_error, update
+from controller.correction import (
+    TERMS,
+    CorrectionConfig,
+    Posterior,
+    Update,
+    log_speedup_sd,
+    scaled_model,
+    track_error,
+    update,
+)
 from controller.errors import ConfigError
 from controller.evidence import EvidenceRecord, Excluded, FileEvidenceStore, MemoryEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
-from controller.model import LatencyModel, curves
+from controller.model import LatencyModel, curves, predict_point
 from controller.observation import Observation
 from controller.settings import Settings
 from controller.state import ControllerState
@@ -250,6 +259,16 @@ class Learner:
             if not self._write_failed:
                 log.error("learning_write_failed", error=exc.strerror or str(exc), detail="kept in memory")
             self._write_failed = True
+
+    def speedup_log_sd(self, a: Assessment) -> float | None:
+        """Posterior sd of the log speedup at the rate the decision is evaluated at (None with
+        online correction off: the calibration's own interval is all there is)."""
+        if not self.settings.online_correction:
+            return None
+        rate, alpha, gamma, workload = a.projected_rate_rps, a.acceptance.alpha, a.draft_length, a.workload
+        return log_speedup_sd(
+            self.posterior, self.config, self.base, lambda m: predict_point(m, rate, alpha, gamma, workload).speedup
+        )
 
     def calibrated(self, a: Assessment) -> tuple[float, float]:
         """(off, on) latency the calibration alone predicts at the assessment's rate."""

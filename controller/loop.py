@@ -183,6 +183,10 @@ class Controller:
         if assessment is not None and state.applied_enabled is not None:
             ratio = self.learner.posterior.error_ratio("on" if state.applied_enabled else "off")
             assessment = dataclasses.replace(assessment, model_error_ratio=ratio)
+            if state.applied_enabled is False and s.enable_posterior_z > 0 and s.enable_on_pessimistic_speedup:
+                # Enabling is judged at the pessimistic end of what the evidence leaves open.
+                sd = self.learner.speedup_log_sd(assessment)
+                assessment = dataclasses.replace(assessment, speedup_log_sd=sd)
         decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
         if self.gate is not None and assessment is not None and isinstance(obs, Observation):
             decision = self._fleet_plan(decision, state, obs, assessment, now)  # fleet mode: k of N (fleet.py)

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from controller.assessment import AcceptanceSource, Assessment
+from controller.assessment import AcceptanceSource, Assessment, pessimistic_speedup
 from controller.config import OverrideMode, PolicyConfig
 from controller.events import Event, EventKind
 from controller.hooks.base import HookPhase, HookStatus
@@ -289,6 +289,9 @@ def decide(
         return _act_on_net(settings, state, net, assessment, now, out)
     on = state.applied_enabled
     s = assessment.decision_speedup
+    if not on and settings.enable_on_pessimistic_speedup:
+        # Enabling is a restart on the model's word: its word net of what the evidence leaves open.
+        s = pessimistic_speedup(assessment, settings.enable_posterior_z)
     want_off = on and (floor_hit or s < settings.disable_threshold)
     want_on = (not on) and s > settings.enable_threshold
     if want_on and _below_floor(assessment, settings):

@@ -129,3 +129,13 @@ def test_bench_runs_end_to_end_on_a_tiny_scenario(tmp_path, capsys):
         assert orc["mean_latency_s"] <= s["not_acting"]["mean_latency_s"]
     assert doc["aggregates"][decisions.FUTURE]["rows"] == 2
     assert (out / "decisions.md").read_text().startswith("## Decision quality on the truth")
+
+
+def test_rerun_refuses_a_scenario_the_full_run_does_not_have(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("rerun", ROOT / "bench" / "bench_decisions_rerun.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "decisions.json").write_text(json.dumps({"scenarios": [{"name": "low-load", "starts": []}]}))
+    assert mod.main([str(tmp_path), "--scenarios", "low-load,nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"bench_decisions_rerun: not in {tmp_path / 'decisions.json'}: nope"]

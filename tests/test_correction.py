@@ -1,5 +1,6 @@
 """The online correction (pure): the real solver as the truth it must recover, virtual time."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,11 +12,12 @@ from controller.correction import (
     CorrectionConfig,
     Posterior,
     forget,
+    log_speedup_sd,
     paper_fit,
     scaled_model,
     update,
 )
-from controller.model import Workload, curves
+from controller.model import Workload, curves, predict_point
 from controller.shipped import example_calibration_path
 
 BASE = load(example_calibration_path()).latency_model()
@@ -176,3 +178,42 @@ def test_paper_fit_recovers_its_constants():
     c1, c2 = paper_fit(rates, 3.0 / (1 - rates * 0.1))
     assert (c1, c2) == (pytest.approx(3.0), pytest.approx(0.1))
     assert paper_fit(np.array([2.0, 2.0]), np.array([1.0, 1.1])) is None
+
+
+def test_log_speedup_sd_is_the_gradient_through_the_posterior_covariance():
+    """A speedup log-linear in the factors (∂/∂target_fixed = 0.4, ∂/∂sd_fixed = −0.3): its
+    sd is exactly √(gᵀΣg), correlations included."""
+    t0, d0 = BASE.target.intercept_s, BASE.draft.intercept_s
+
+    def speedup_at(m):
+        return 1.5 * (m.target.intercept_s / t0) ** 0.4 * (m.draft.intercept_s / d0) ** -0.3
+
+    assert log_speedup_sd(Posterior(), CFG, BASE, speedup_at) == pytest.approx(0.3 * math.hypot(0.4, 0.3))
+    cov = np.diag([0.04, 0.01, 0.09, 0.01])
+    cov[0, 2] = cov[2, 0] = 0.03  # a slower target and a slower draft go together
+    got = log_speedup_sd(Posterior(cov=tuple(map(tuple, cov))), CFG, BASE, speedup_at)
+    g = np.array([0.4, 0.0, -0.3, 0.0])
+    assert got == pytest.approx(math.sqrt(g @ cov @ g))
+    assert log_speedup_sd(Posterior(), CFG, BASE, lambda m: math.inf) is None  # only SD keeps up
+
+
+def test_sd_off_evidence_narrows_what_it_identifies_and_leaves_the_sd_terms_open():
+    """Many SD-off ticks at one load: the target's terms are pinned where they matter to SD off;
+    the speedup's width that remains is the SD-only terms' (the draft has never run)."""
+
+    def speedup_at(m):
+        return predict_point(m, 6.0, ALPHA, GAMMA, W).speedup
+
+    post = Posterior()
+    for k in range(200):
+        rate = 6.0 + 0.5 * math.sin(k)
+        truth = latency(BASE, False, rate)
+        post = update(post, CFG, predictor(False, rate), "off", truth, 0.02, T0 + 60 * k).posterior
+    prior_sd = log_speedup_sd(Posterior(), CFG, BASE, speedup_at)
+    after = log_speedup_sd(post, CFG, BASE, speedup_at)
+    target_block = np.array(post.cov)
+    target_block[2:, :] = 0.0
+    target_block[:, 2:] = 0.0
+    target_only = log_speedup_sd(dataclasses.replace(post, cov=tuple(map(tuple, target_block))), CFG, BASE, speedup_at)
+    assert 0.0 < after < prior_sd
+    assert target_only < 0.5 * after  # what is left open is mostly the draft's, which never ran

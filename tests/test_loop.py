@@ -294,3 +294,17 @@ def test_healthz_unhealthy_when_no_tick_ever_completes():
     clock.t += 3 * ctl.settings.evaluation_interval_s + 1
     ok, why = ctl.healthy()
     assert not ok and why.startswith("no tick completed")
+
+
+def test_enabling_is_judged_with_the_posterior_width_while_sd_is_off():
+    """SD off: the tick's assessment carries the posterior sd of the log speedup (what SD-off
+    evidence cannot pin down); SD on: it is not computed."""
+    ctl, clock, vllm, hook, _ = make()
+    ctl.tick()
+    on = run_ticks(ctl, clock, vllm, rate=4, n=2)
+    assert all(r.assessment.speedup_log_sd is None for r in on)
+    hook.enabled = False
+    vllm.restart(sd_enabled=False)
+    off = run_ticks(ctl, clock, vllm, rate=4, n=3)
+    sds = [r.assessment.speedup_log_sd for r in off[1:]]
+    assert all(sd is not None and 0.01 < sd < 1.0 for sd in sds)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from controller.assessment import AcceptanceEstimate, AcceptanceSource, Assessment
+from controller.assessment import AcceptanceEstimate, AcceptanceSource, Assessment, pessimistic_speedup
 from controller.hooks.base import HookPhase, HookStatus
 from controller.model import Workload
 from controller.observation import FailureReason, Observation, ObservationFailure
@@ -536,3 +536,29 @@ def test_an_unforecast_quiet_load_must_have_lasted_before_sd_is_enabled_on_it(on
     assert (d.acts, d.reason) == (acts, reason)
     if reason is Reason.NOT_LASTED:
         assert "no forecast of how long this load lasts" in d.detail
+
+
+@pytest.mark.parametrize(
+    ("decision", "projected", "sd", "z", "expected"),
+    [
+        (1.3, 1.4, None, 1.0, 1.3),  # no posterior width: the calibration's end as it was
+        (1.3, 1.4, 0.0, 1.0, 1.3),
+        (1.4, 1.4, 0.1, 1.0, 1.4 * math.exp(-0.1)),  # no calibration interval: the posterior's alone
+        (1.3, 1.4, 0.1, 1.0, 1.4 * math.exp(-math.hypot(math.log(1.4 / 1.3), 0.1))),  # in quadrature
+        (1.3, 1.4, 0.1, 0.0, 1.3),  # z = 0: off
+        (math.inf, math.inf, 0.1, 1.0, math.inf),  # only SD keeps up
+    ],
+)
+def test_pessimistic_speedup_combines_the_calibration_interval_and_the_posterior(decision, projected, sd, z, expected):
+    a = dataclasses.replace(assessment(1.5), decision_speedup=decision, projected_speedup=projected, speedup_log_sd=sd)
+    assert pessimistic_speedup(a, z) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("z", "action"), [(1.0, Action.NONE), (0.0, Action.ENABLE)])
+def test_what_the_evidence_leaves_open_keeps_sd_off(z, action):
+    """SD predicted 1.25× (above 1.2), but the posterior leaves 10 % open on its log: 1.13× at its
+    pessimistic end does not clear the threshold."""
+    settings = S.model_copy(update={"enable_posterior_z": z})
+    a = dataclasses.replace(assessment(1.25), projected_speedup=1.25, speedup_log_sd=0.1)
+    d, _ = decide(settings.policy, off_state(), obs(), a, AUTO, T0)
+    assert d.action is action
