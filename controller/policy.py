@@ -240,7 +240,12 @@ def decide(
     events: list[Event] = []
     gamma = settings.draft_length
 
+    net_hold: tuple[Reason, str] | None = None  # the safety net tripped but does not insist
+
     def out(action: Action, reason: Reason, detail: str, desired: bool | None, st: ControllerState):
+        if action is Action.NONE and net_hold is not None:
+            # The net's hold is the news; the model's own reason follows it.
+            reason, detail = net_hold[0], f"{net_hold[1]}; model: {reason.value}: {detail}"
         dl = (assessment.draft_length if assessment else gamma) if desired else None
         return Decision(action, reason, detail, desired, dl, _phase(st, override, now), tuple(events)), st
 
@@ -286,7 +291,11 @@ def decide(
     events.extend(floor_events)
     state, net = safety_net(settings, state, observation, assessment, now)
     if net is not None and not floor_hit:
-        return _act_on_net(settings, state, net, assessment, now, out)
+        acted, net_hold = _act_on_net(settings, state, net, assessment, now, out)
+        if acted is not None:
+            return acted
+        # The net does not insist (staying is cheaper than the restart, or the harm is too young
+        # to have paid for it): the model's own rule decides, and may still act.
     on = state.applied_enabled
     s = assessment.decision_speedup
     if not on and settings.enable_on_pessimistic_speedup:
@@ -494,21 +503,24 @@ def safety_net(
 
 
 def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a: Assessment, now: float, out):
-    """Disable on a safety-net trip, unless dwell, backoff or the priced restart say hold."""
+    """Disable on a safety-net trip, unless dwell, backoff or the excursion filter say hold:
+    ``(decision, None)``. ``(None, (reason, detail))`` when the net does not insist: staying is
+    cheaper than the priced restart, or, with nothing to forecast the load, the harm is too young
+    to have paid for it (risk.rented_gain). Then the model's own rule decides."""
     on = state.applied_enabled
     if state.last_change_at is not None and now - state.last_change_at < settings.dwell_s:
         left = settings.dwell_s - (now - state.last_change_at)
-        return out(Action.NONE, Reason.DWELL, f"{net.detail}; dwell holds {left:.0f}s more", on, state)
+        return out(Action.NONE, Reason.DWELL, f"{net.detail}; dwell holds {left:.0f}s more", on, state), None
     if state.retry_not_before is not None and now < state.retry_not_before:
         left = state.retry_not_before - now
-        return out(Action.NONE, Reason.BACKOFF, f"{net.detail}; retry after {left:.0f}s", on, state)
+        return out(Action.NONE, Reason.BACKOFF, f"{net.detail}; retry after {left:.0f}s", on, state), None
     ticks = state.queue_growth_ticks if net.reason is Reason.QUEUE_GROWTH else state.sd_harm_ticks
     lasted = ticks * settings.evaluation_interval_s
     if settings.price_switches and lasted < a.excursion_filter_s:
         # The same excursion filter as the model's signal: harm shorter than a restart is over
         # before the restart could help.
         detail = f"{net.detail}; for {lasted:.0f}s < {a.excursion_filter_s:.0f}s (restart + drain)"
-        return out(Action.NONE, Reason.EXCURSION, detail, on, state)
+        return out(Action.NONE, Reason.EXCURSION, detail, on, state), None
     cost = a.switch_cost_request_s
     stay = net.stay_cost_request_s
     if settings.price_switches and not stay > settings.switch_margin * cost:
@@ -516,7 +528,7 @@ def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a:
             f"{net.reason.value}: {net.detail}; staying costs {stay:.0f} req·s "
             f"< {settings.switch_margin}× restart {cost:.0f} req·s"
         )
-        return out(Action.NONE, Reason.SAFETY_NET_HELD, detail, on, state)
+        return None, (Reason.SAFETY_NET_HELD, detail)
     if (
         settings.price_switches
         and settings.load_age_prior
@@ -532,7 +544,7 @@ def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a:
                 f"over the {lasted:.0f}s it has held, {paid:.0f} req·s, < {settings.switch_margin}× "
                 f"restart {cost:.0f} req·s"
             )
-            return out(Action.NONE, Reason.NOT_LASTED, detail, on, state)
+            return None, (Reason.NOT_LASTED, detail)
     # Remember it like a seen congestion, so the model cannot re-enable SD into it right away.
     seen = state.sd_congested_rate_rps
     state = dataclasses.replace(
@@ -541,7 +553,7 @@ def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a:
         sd_congested_at=now,
     )
     detail = f"{net.detail}; staying costs {stay:.0f} req·s, restart {cost:.0f} req·s"
-    return out(Action.DISABLE, net.reason, detail, False, state)
+    return out(Action.DISABLE, net.reason, detail, False, state), None
 
 
 def begin_request(state: ControllerState, decision: Decision, now: float) -> ControllerState:

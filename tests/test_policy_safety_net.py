@@ -156,3 +156,26 @@ def test_a_growing_queue_needs_no_forecast():
     a = dataclasses.replace(assessment(1.5, gain=-100.0, cost=10.0), horizon_forecast=False)
     decisions, _ = run(PRICED, on_state(), queue([2, 4, 6, 8]), a=a)
     assert decisions[-1] == (Action.DISABLE, Reason.QUEUE_GROWTH)
+
+
+@pytest.mark.parametrize("forecast", [True, False])
+def test_a_net_that_does_not_insist_leaves_the_decision_to_the_model(forecast):
+    """The net holds (staying 750 req·s < 2 × 1000, or a young unforecast harm), but the model
+    itself predicts SD overloaded (its gain +inf): the model's rule disables. A hold never
+    blocks a switch the model's own price makes."""
+    a = dataclasses.replace(
+        assessment(0.0, gain=math.inf, cost=1000.0), horizon_forecast=forecast, excursion_filter_s=60.0
+    )
+    state = on_state(switch_wanted_since=T0 - 3600, switch_wanted_enabled=False)
+    decisions, _ = run(PRICED, state, harm(3), a=a)
+    assert decisions[-1] == (Action.DISABLE, Reason.SPEEDUP_LOW)
+
+
+def test_the_nets_hold_is_reported_with_the_models_reason():
+    a = assessment(1.5, gain=-100.0, cost=1e9)
+    d = None
+    state = on_state()
+    for i, o in enumerate(harm(3)):
+        d, state = decide(PRICED, state, o, a, AUTO, T0 + 60 * i)
+    assert d.reason is Reason.SAFETY_NET_HELD
+    assert "staying costs" in d.detail and "model: within_thresholds" in d.detail
