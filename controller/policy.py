@@ -503,10 +503,11 @@ def safety_net(
 
 
 def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a: Assessment, now: float, out):
-    """Disable on a safety-net trip, unless dwell, backoff or the excursion filter say hold:
-    ``(decision, None)``. ``(None, (reason, detail))`` when the net does not insist: staying is
-    cheaper than the priced restart, or, with nothing to forecast the load, the harm is too young
-    to have paid for it (risk.rented_gain). Then the model's own rule decides."""
+    """Disable on a safety-net trip, unless dwell or backoff hold: ``(decision, None)``.
+    ``(None, (reason, detail))`` when the net does not insist: the harm is shorter than a
+    restart's recovery, staying is cheaper than the priced restart, or, with nothing to forecast
+    the load, the harm is too young to have paid for it (risk.rented_gain). Then the model's own
+    rule decides."""
     on = state.applied_enabled
     if state.last_change_at is not None and now - state.last_change_at < settings.dwell_s:
         left = settings.dwell_s - (now - state.last_change_at)
@@ -520,7 +521,7 @@ def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a:
         # The same excursion filter as the model's signal: harm shorter than a restart is over
         # before the restart could help.
         detail = f"{net.detail}; for {lasted:.0f}s < {a.excursion_filter_s:.0f}s (restart + drain)"
-        return out(Action.NONE, Reason.EXCURSION, detail, on, state), None
+        return None, (Reason.EXCURSION, detail)
     cost = a.switch_cost_request_s
     stay = net.stay_cost_request_s
     if settings.price_switches and not stay > settings.switch_margin * cost:
