@@ -59,9 +59,22 @@ class CorrectionConfig:
     max_factor: float = 2.0  # clamp; wanting more raises the recalibration alarm
     error_half_life_s: float = 300.0  # smoothing of the exported error ratio (the alert adds its `for`)
 
+    common_share: float = 1.0  # how much of the target's prior error the draft's terms share
+
     def prior_cov(self) -> np.ndarray:
-        w = np.array([self.prior_width, self.prior_width, self.sd_prior_width, self.sd_prior_width])
-        return np.diag(w * w)
+        """Prior covariance of the four log-factors: the draft runs on the same GPU with the same
+        kernels as the target, so whatever miscalibrates the target's pass (another GPU, a
+        driver, clocks) is expected in the draft's as well. A draft term is the target's term of
+        the same kind (fixed, load) plus an error of its own: cov = common_share · σ_target²,
+        so SD-off evidence that moves the target also moves the draft's expectation, by the same
+        factor when common_share is 1, and leaves it the own part of its width."""
+        t, d = self.prior_width**2, self.sd_prior_width**2
+        cov = np.diag([t, t, d, d])
+        # Never beyond what keeps the prior positive definite (a draft no better known than the target).
+        shared = min(self.common_share * min(t, d), 0.95 * math.sqrt(t * d))
+        for i, j in ((0, 2), (1, 3)):
+            cov[i, j] = cov[j, i] = shared
+        return cov
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ def predictor(on, rate):
     return predict_log
 
 
-def learn(truth, mode_of, ticks=240, rates=(1.0, 3.0, 6.0, 9.0), noise=0.05, seed=0, p=None, start=T0):
+def learn(truth, mode_of, ticks=240, rates=(1.0, 3.0, 6.0, 9.0), noise=0.05, seed=0, p=None, start=T0, cfg=None):
     """Feed ``ticks`` minutes of evidence generated from ``truth`` factors (with lognormal noise)."""
+    cfg = cfg or CFG
     rng = np.random.default_rng(seed)
     p = p or Posterior()
     true_model = scaled_model(BASE, truth)
@@ -49,7 +50,7 @@ def learn(truth, mode_of, ticks=240, rates=(1.0, 3.0, 6.0, 9.0), noise=0.05, see
         rate = rates[i % len(rates)]
         on = mode_of(i)
         observed = latency(true_model, on, rate) * math.exp(rng.normal(0, noise))
-        p = update(p, CFG, predictor(on, rate), "on" if on else "off", observed, noise, start + 60 * i).posterior
+        p = update(p, cfg, predictor(on, rate), "on" if on else "off", observed, noise, start + 60 * i).posterior
     return p
 
 
@@ -74,8 +75,27 @@ def test_off_mode_recovers_a_load_dependent_error_across_loads():
         err = latency(corrected, False, rate) / latency(scaled_model(BASE, truth), False, rate) - 1
         assert abs(err) < 0.03, (rate, err)
     assert abs(latency(BASE, False, 9.0) / latency(scaled_model(BASE, truth), False, 9.0) - 1) > 0.2
-    assert p.factors[2:] == (1.0, 1.0)  # SD-only terms untouched by SD-off evidence
+    # The draft runs on the same GPU: its load term is expected off by what the target's is (the
+    # prior's common share), its fixed term as the target's fixed term (unmoved here).
+    assert p.factors[3] == pytest.approx(p.factors[1], rel=0.05) and p.factors[2] == pytest.approx(1.0, abs=0.02)
     assert p.error_ratio("off") == pytest.approx(1.0, abs=0.06)  # a 5-tick smoothing of 5 % noise
+
+
+def test_without_a_common_share_sd_off_evidence_leaves_the_draft_terms_alone():
+    independent = dataclasses.replace(CFG, common_share=0.0)
+    p = learn((1.0, 1.4, 1.0, 1.0), lambda i: False, cfg=independent)
+    assert p.factors[2:] == (1.0, 1.0)
+
+
+def test_the_prior_shares_the_targets_error_with_the_draft_and_stays_positive_definite():
+    cfg = CorrectionConfig(prior_width=0.15, sd_prior_width=0.3)
+    cov = cfg.prior_cov()
+    assert cov[0, 2] == cov[1, 3] == pytest.approx(0.15**2)  # draft = target + its own error
+    assert cov[0, 1] == 0.0 and cov[2, 3] == 0.0  # fixed and load errors independent
+    # The regression of the draft's term on the target's is 1: the same factor is expected.
+    assert cov[1, 3] / cov[1, 1] == pytest.approx(1.0)
+    for c in (cfg, CFG, dataclasses.replace(CFG, common_share=5.0)):
+        assert np.all(np.linalg.eigvalsh(c.prior_cov()) > 0)
 
 
 def test_on_mode_evidence_corrects_the_off_mode_through_the_shared_terms_with_wider_uncertainty():
@@ -131,7 +151,8 @@ def test_a_correction_beyond_the_clamp_raises_the_alarm_once_and_stays_bounded()
         if up.alarm_raised:
             raised.append(i)
     assert max(p.factors) <= 2.0 + 1e-9
-    assert p.alarm and set(p.alarm) <= set(TERMS[:2])
+    # The target's terms, and the draft's that share its error, all want beyond the clamp.
+    assert p.alarm and set(TERMS[:2]) <= set(p.alarm)
     assert len(raised) == 1  # raised once, not every tick
 
 
@@ -188,7 +209,10 @@ def test_log_speedup_sd_is_the_gradient_through_the_posterior_covariance():
     def speedup_at(m):
         return 1.5 * (m.target.intercept_s / t0) ** 0.4 * (m.draft.intercept_s / d0) ** -0.3
 
-    assert log_speedup_sd(Posterior(), CFG, BASE, speedup_at) == pytest.approx(0.3 * math.hypot(0.4, 0.3))
+    independent = dataclasses.replace(CFG, common_share=0.0)
+    assert log_speedup_sd(Posterior(), independent, BASE, speedup_at) == pytest.approx(0.3 * math.hypot(0.4, 0.3))
+    # With the common share, a slower target and a slower draft go together: they cancel in part.
+    assert log_speedup_sd(Posterior(), CFG, BASE, speedup_at) < 0.3 * math.hypot(0.4, 0.3)
     cov = np.diag([0.04, 0.01, 0.09, 0.01])
     cov[0, 2] = cov[2, 0] = 0.03  # a slower target and a slower draft go together
     got = log_speedup_sd(Posterior(cov=tuple(map(tuple, cov))), CFG, BASE, speedup_at)
