@@ -1,9 +1,12 @@
 """Decisions with a wrong calibration: does the online correction bring them back?
 
 Issue "close the loop": with calibrations off by ×0.7 and ×1.4 on the load-dependent costs,
-and with the shipped example calibration (made for another GPU), the controller's decisions
+with the shipped example calibration, and with one from another GPU, the controller's decisions
 over the scenario set should be within 5 % of those it makes with the true calibration, as
-mean latency ÷ the start-aware oracle.
+mean latency ÷ the start-aware oracle. The shipped example calibration is the recipe run on
+this very simulated H100, so here it is the true one; the A100 calibration is the same recipe on
+the same deployment simulated on an A100 (1.6× the memory-bound costs, 3.2× the compute-bound):
+the calibration a user brings from another GPU.
 
 The server is the GPU-roofline truth (never the controller's model), as in
 bench/bench_decisions.py, with its calibration (bench → calibrate, from its ``--out``). The
@@ -35,6 +38,8 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 TARGET = 0.05  # within 5 % of the true calibration's ratio to the oracle
 LOAD_SCALED = {"load costs ×0.7": (1.0, 0.7, 1.0, 0.7), "load costs ×1.4": (1.0, 1.4, 1.0, 1.4)}
 EXAMPLE = "example calibration"
+OTHER_GPU = "A100 calibration"  # bench → calibrate against the same server on an A100: another GPU
+OTHER_GPU_FILE = "calibration-a100.json"
 TRUE = "true calibration"
 
 
@@ -46,7 +51,23 @@ def believed_models(true_cal: Path) -> dict:
     true = calibration.load(true_cal).latency_model()
     models = {TRUE: true, **{label: scaled_model(true, f) for label, f in LOAD_SCALED.items()}}
     models[EXAMPLE] = calibration.load(example_calibration_path()).latency_model()
+    other = true_cal.parent / OTHER_GPU_FILE
+    if other.is_file():
+        models[OTHER_GPU] = calibration.load(other).latency_model()
     return models
+
+
+def other_gpu_calibration(out: Path) -> Path:
+    """The calibration a user would bring from another GPU: the recipe (bench → calibrate) run
+    against the same simulated deployment on an A100 (cached in ``out``)."""
+    from controller.sim import decisions, fidelity, gpu
+
+    work = out / "a100"
+    decisions.calibrate(work, truth=fidelity.TruthServer(gpu=gpu.A100_SXM))
+    target = out / OTHER_GPU_FILE
+    if not target.is_file():
+        target.write_bytes((work / decisions.CALIBRATION_FILE).read_bytes())
+    return target
 
 
 def run_one(name: str, start_on: bool, label: str, true_cal: str) -> tuple[str, bool, str, float, int]:
@@ -85,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = args.scenarios.split(",") if args.scenarios else [n for n, _ in decisions.SCENARIOS]
     names = [n for n in names if decisions.load_scenario(n).duration_s <= args.max_hours * 3600]
-    labels = [TRUE, *LOAD_SCALED, EXAMPLE]
+    other_gpu_calibration(out)
+    labels = [TRUE, *LOAD_SCALED, EXAMPLE, OTHER_GPU]
     started = time.perf_counter()
     jobs = [(n, on, label) for n in names for on in (True, False) for label in labels]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

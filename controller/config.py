@@ -67,9 +67,9 @@ class DecisionSettings(BaseModel):
         description="Enable SD only when the pessimistic end of the prediction interval (step costs off by the calibration's residual error) clears enable_threshold.",
     )
     enable_posterior_z: float = Field(
-        1.0,
+        1.645,
         ge=0,
-        description="With online correction, enabling also takes this many posterior standard deviations of the log speedup off its pessimistic end (combined with the calibration's interval): what SD-off evidence cannot pin down (the SD-only terms, the split of the target's fixed and load costs at one load) must not talk the controller into a restart. 0: the calibration's interval only.",
+        description="With online correction, enabling also takes this many posterior standard deviations of the log speedup off its pessimistic end (combined with the calibration's interval, which is 1.645 σ: both ≈ 90 %): what SD-off evidence cannot pin down (the draft's own terms, the split of the target's fixed and load costs at one load) must not talk the controller into a restart. 0: the calibration's interval only.",
     )
     disable_threshold: float = Field(1.05, gt=0, description="Disable SD when the predicted speedup is below this.")
     dwell_s: float = Field(300.0, ge=0, description="Minimum seconds between two applied changes.")

@@ -82,6 +82,9 @@ class GpuSpec:
 
 
 H100_SXM = GpuSpec(name="H100-SXM-80GB", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_bytes=80 * GIB)
+# Another GPU, for a calibration measured elsewhere (bench/bench_miscalibrated.py): datasheet
+# numbers only, the same efficiencies.
+A100_SXM = GpuSpec(name="A100-SXM-80GB", peak_flops=312e12, hbm_bytes_per_s=2.039e12, memory_bytes=80 * GIB)
 LLAMA_3_1_8B = ModelSpec(
     name="Llama-3.1-8B", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256
 )
