@@ -14,7 +14,6 @@ notifier), so a test, a simulation or a backtest runs this very loop on virtual 
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import threading
 from collections.abc import Callable

@@ -150,12 +150,6 @@ def history_fit(
     return slope, r2
 
 
-def history_slope(history: RateHistory, now: float, **kw) -> float | None:
-    """The load trend in req/s per second (:func:`history_fit`'s slope), or None."""
-    fit = history_fit(history, now, **kw)
-    return fit[0] if fit is not None else None
-
-
 def trend_is_material(fit: tuple[float, float] | None, rate_rps: float) -> bool:
     """Whether a fitted trend ``(slope, r²)`` forecasts the load: a line that explains most of
     the last hour (r² ≥ TREND_MIN_R2: a spike or a step in it is not a line) and moves the load

@@ -12,7 +12,6 @@ from controller.risk import (
     forecast_peak,
     forecast_time_to,
     history_fit,
-    history_slope,
     in_startup_hold,
     persisted_since,
     record_rate,
@@ -160,7 +159,8 @@ def test_the_filter_waits_for_the_backlog_near_capacity_and_is_capped():
     ],
 )
 def test_history_slope_fits_the_last_hour_of_complete_buckets(points, now, expected):
-    got = history_slope(tuple(points), now)
+    fit = history_fit(tuple(points), now)
+    got = None if fit is None else fit[0]
     assert got == (None if expected is None else pytest.approx(expected))
 
 

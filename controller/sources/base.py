@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import requests
+
 from controller.observation import ObserveResult
+
+# What an HTTP source retries once: refused, timed out, or a body cut off mid-transfer
+# (requests' ChunkedEncodingError is not a ConnectionError).
+TRANSIENT_HTTP_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
 
 
 class Source(Protocol):

@@ -25,6 +25,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fi
 from controller import deadline
 from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
+from controller.sources.base import TRANSIENT_HTTP_ERRORS
 
 DEFAULT_QUERIES: dict[str, str] = {
     # Completions plus queue growth: during overload completions alone cap at capacity.
@@ -135,10 +136,7 @@ class PrometheusSource:
         self._observe_deadline: float | None = None  # monotonic; all queries of one observe
 
     @retry(
-        # A body cut off mid-transfer (ChunkedEncodingError) is a broken connection too.
-        retry=retry_if_exception_type(
-            (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
-        ),
+        retry=retry_if_exception_type(TRANSIENT_HTTP_ERRORS),
         stop=stop_after_attempt(2),
         wait=wait_fixed(0.5),
         reraise=True,

@@ -28,6 +28,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fi
 from controller import deadline
 from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
+from controller.sources.base import TRANSIENT_HTTP_ERRORS
 
 SUCCESS = "vllm:request_success"
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -234,10 +235,7 @@ class VllmMetricsSource:
         self._implausible_streak = 0
 
     @retry(
-        # A body cut off mid-transfer (ChunkedEncodingError) is a broken connection too.
-        retry=retry_if_exception_type(
-            (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
-        ),
+        retry=retry_if_exception_type(TRANSIENT_HTTP_ERRORS),
         stop=stop_after_attempt(2),
         wait=wait_fixed(0.5),
         reraise=True,
