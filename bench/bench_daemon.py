@@ -128,7 +128,9 @@ def main() -> None:
         f"CPU per tick (parse /metrics + assess + learn + decide + export + state), in process: {per_tick * 1e3:.2f} ms   target <= 10 ms"
     )
     off_tick = cpu_per_tick(sd_on=False)
-    print(f"CPU per tick with SD off (+ the posterior width of the speedup for enabling): {off_tick * 1e3:.2f} ms   target <= 10 ms")
+    print(
+        f"CPU per tick with SD off (+ the posterior width of the speedup for enabling): {off_tick * 1e3:.2f} ms   target <= 10 ms"
+    )
     peak, scrapes = daemon_rss()
     print(f"daemon peak RSS over 20 s ({scrapes} ticks, direct scraping):            {peak:.1f} MB   target <= 80 MB")
 

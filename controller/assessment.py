@@ -22,6 +22,7 @@ from controller.model import (
 )
 from controller.observation import Observation
 from controller.risk import (
+    RISE_FIT_S,
     backlog_drain_s,
     excursion_filter_s,
     expected_peak,
@@ -29,6 +30,7 @@ from controller.risk import (
     forecast_time_to,
     history_fit,
     recent_peak,
+    steady_rise,
     trend_is_material,
 )
 from controller.state import ControllerState
@@ -39,10 +41,12 @@ from controller.switch_cost import (
     projected_rate,
     switch_cost,
     switch_gain,
+    switch_now_saving,
     trend_slope,
 )
 
 GAIN_PATH_POINTS = 4  # midpoints along the fitted load line at which a switch's gain is summed
+RISE_GRID_POINTS = 4  # restart times between now and the rule's own disable, weighed against now
 
 
 class AcceptanceSource(StrEnum):
@@ -137,6 +141,11 @@ class Assessment:
     # Posterior sd of the log speedup at the projected rate (the shell fills it in from the
     # learner while SD is off; None: no online correction, or not computed).
     speedup_log_sd: float | None = None
+    # SD on under a steadily rising load: what disabling now saves against the restart the rule
+    # would make once the load reaches SD's break-even (request-s; 0 when nothing is rising
+    # toward it, or when some time before the rule's is cheaper still), and when the rule would.
+    early_disable_saving_request_s: float = 0.0
+    rule_disable_in_s: float | None = None
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -282,8 +291,14 @@ def assess(
     # What the next hours bring: the same hours on earlier days, or the operator's word...
     history_peak = forecast_peak(state.rate_history, now, settings.gain_horizon_max_s)
     ahead_peak = expected_peak(history_peak, settings.expected_peak_rps)
-    # ...and, for the way back after enabling, what the last hour saw (it may come back).
+    # ...and, for the way back after enabling, what the last hour saw (it may come back), or
+    # where a steady rise is carrying the load.
     peak = expected_peak(ahead_peak, recent[0] if recent else None)
+    material = trend_is_material(fit, eval_rate)
+    line_top = max(eval_rate, ahead_peak) if ahead_peak is not None else 2.0 * eval_rate + 1.0
+    rising = material and fitted is not None and fitted > 0.0
+    if rising:
+        peak = expected_peak(peak, min(eval_rate + fitted * settings.gain_horizon_max_s, line_top))
     off_be = bes[settings.disable_threshold]
     undo_cost = 0.0
     if not currently_on and settings.price_switches and not off_be.always_above and off_be.rate_rps is not None:
@@ -297,6 +312,8 @@ def assess(
             if until is None and recent is not None and recent[0] > r_back:
                 # It was there a while ago: expect it back within about as long (an oscillation).
                 until = max(now - recent[1], 0.0)
+            if until is None and rising and r_back > eval_rate:
+                until = (r_back - eval_rate) / fitted
             if until is not None:
                 horizon = min(horizon, max(until, settings.dwell_s))
     if fitted is None or fitted == 0.0 or congested or not settings.price_switches:
@@ -306,7 +323,7 @@ def assess(
         # better): the gain follows the fitted line over the horizon, never above the expected
         # peak (or twice the load plus one request per second without one) and never below half
         # the load (a line fitted to an evening does not run on to zero).
-        top = max(eval_rate, ahead_peak) if ahead_peak is not None else 2.0 * eval_rate + 1.0
+        top = line_top
         step = horizon / GAIN_PATH_POINTS
         path = []
         for k in range(GAIN_PATH_POINTS):
@@ -314,6 +331,41 @@ def assess(
             path.append(priced(r, predict_point(model, r, acc.alpha, gamma_on, workload, en)) if r > 0 else here)
         gain = path_gain(path, step)
     now_cur = now_p.latency_on_s if currently_on else now_p.latency_off_s
+    filter_s = excursion_filter_s(
+        downtime,
+        settings.restart_drain_s,
+        settings.excursion_filter_s,
+        # Behind a router the other replicas carry the outage's arrivals: no backlog of ours.
+        backlog_drain_s(eval_rate, downtime, drain_capacity) if settings.replicas <= 1 else 0.0,
+        settings.excursion_filter_max_s,
+    )
+    early, fire_in = 0.0, None
+    r_x = off_be.rate_rps
+    climb = steady_rise(state.rate_history, now, eval_rate) if currently_on else None
+    if (
+        climb is not None
+        and settings.price_switches
+        and settings.disable_ahead_of_rise
+        and not congested
+        and not off_be.always_above
+        and r_x is not None
+        and eval_rate < r_x
+    ):
+        # The rule disables SD once the decision's rate passes the break-even and the signal has
+        # outlasted the filter; by then the restart's backlog is λ·D at a higher λ.
+        fire_in = (r_x - eval_rate) / climb + filter_s
+        # Two hours of a steady line vouch for about two more: no further.
+        if fire_in <= min(settings.gain_horizon_max_s, RISE_FIT_S):
+
+            def cost_at(r: float) -> float:
+                return _cost_back_off(model, settings, r, downtime, acc.alpha, gamma_on, workload, en)
+
+            def priced_at(r: float):
+                return priced(r, predict_point(model, r, acc.alpha, gamma_on, workload, en))
+
+            early = _saving_ahead_of_rise(rate, climb, line_top, fire_in, cost_at, priced_at)
+        else:
+            fire_in = None
     return Assessment(
         arrival_rate_rps=rate,
         projected_rate_rps=eval_rate,
@@ -341,17 +393,30 @@ def assess(
         expected_peak_rps=peak,
         trend_speedup=trend_p.speedup,
         undo_cost_request_s=undo_cost,
-        horizon_forecast=history_peak is not None or trend_is_material(fit, eval_rate),
-        excursion_filter_s=excursion_filter_s(
-            downtime,
-            settings.restart_drain_s,
-            settings.excursion_filter_s,
-            # Behind a router the other replicas carry the outage's arrivals: no backlog of ours.
-            backlog_drain_s(eval_rate, downtime, drain_capacity) if settings.replicas <= 1 else 0.0,
-            settings.excursion_filter_max_s,
-        ),
+        horizon_forecast=history_peak is not None or material,
+        excursion_filter_s=filter_s,
         applied_overloaded=congested or math.isinf(now_cur),
+        early_disable_saving_request_s=early,
+        rule_disable_in_s=fire_in,
     )
+
+
+def _saving_ahead_of_rise(rate: float, slope: float, top: float, fire_in: float, cost_at, priced_at) -> float:
+    """What disabling SD now saves against the rule's own disable ``fire_in`` s from now, the
+    load rising along its fitted line (``slope``, at most ``top``); 0 unless now is the cheapest
+    time on the grid. Restart prices at a grid of times against the SD gain collected until each
+    (:func:`~controller.switch_cost.switch_now_saving`)."""
+    step = fire_in / RISE_GRID_POINTS
+    costs, gains, kept = [], [], 0.0
+    for k in range(RISE_GRID_POINTS + 1):
+        costs.append(cost_at(min(rate + slope * k * step, top)))
+        gains.append(kept)
+        if k < RISE_GRID_POINTS and math.isfinite(kept):
+            # Staying on gains what switching off would lose over this stretch of the line.
+            r, lc, ln, cc, cn = priced_at(min(rate + slope * (k + 0.5) * step, top))
+            kept -= switch_gain(r, step, lc, ln, cc, cn)
+    vs_best, vs_rule = switch_now_saving(costs, gains)
+    return vs_rule if vs_best >= 0.0 else 0.0
 
 
 def pessimistic_speedup(a: Assessment, z: float) -> float:

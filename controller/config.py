@@ -169,6 +169,15 @@ class PricingSettings(BaseModel):
         True,
         description="When nothing forecasts how long the load lasts (no earlier days in the rate history, no steady fitted trend), weigh the gain of enabling SD, and the safety net's observed harm, by the chance the load is still there: one seen for a seconds lasts T more with probability a/(a+T) (Gott's rule), so minutes of a load vouch for little and an hour of it for most of an hour's gain. Off: the gain runs to the horizon whatever the load's age.",
     )
+    disable_ahead_of_rise: bool = Field(
+        True,
+        description="With SD on and the load rising along a steady line (r² ≥ 0.8 over the last hour, ≥ 10 % an hour) toward SD's break-even, disable SD as soon as restarting now is cheaper than at any later time before the rule would disable it anyway: the restart's backlog grows with the rate, and SD's last gains before the crossing are small. Off: SD is disabled only once the load has passed the break-even.",
+    )
+    rise_saving_margin: float = Field(
+        0.2,
+        ge=0,
+        description="Disable ahead of a rising load only when that saves more than this fraction of the restart's price against the restart the rule would make later (the model's error in both prices).",
+    )
     capacity_headroom: float = Field(
         0.97,
         gt=0,

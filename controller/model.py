@@ -42,6 +42,8 @@ from controller.queueing import heavy_traffic_wait_s
 
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
+# The draft-length search stops this many candidates past the best one (see best_draft_length).
+DRAFT_SEARCH_PATIENCE = 3
 # Generated lengths vary; when no source measured their spread, assume what a per-token stop
 # probability gives (geometric lengths: standard deviation ≈ mean).
 DEFAULT_GEN_CV = 1.0
@@ -883,10 +885,15 @@ def best_draft_length(
     alpha: float,
     workload: Workload,
     candidates: Iterable[int] = DEFAULT_DRAFT_LENGTHS,
+    patience: int | None = DRAFT_SEARCH_PATIENCE,
 ) -> DraftChoice:
     """Best γ from ``candidates`` at this rate and per-token acceptance (ties: the shorter).
 
-    Lowest SD latency wins; if SD is overloaded at every γ, the best capacity ratio does.
+    Lowest SD latency wins; if SD is overloaded at every γ, the best capacity ratio does. The
+    candidates are tried from the shortest up, and the search stops ``patience`` past the best
+    (``None``: try all): SD's latency falls while a longer draft still adds accepted tokens
+    (E[N] is concave in γ) and rises once the draft passes cost more than they add, with only
+    the knees' ripples on top (bench/bench_model.py compares the two).
     """
     gammas = sorted({int(c) for c in candidates})
     if not gammas or gammas[0] < 1:
@@ -895,6 +902,7 @@ def best_draft_length(
     t_off, mu_off = off.latency_s(rate_rps), off.stability_limit_rps
     best: tuple[int, float, float] | None = None
     best_overloaded: tuple[int, float, float] | None = None
+    since_best = 0
     for g in gammas:
         on = mode_curve(model, workload, True, _clamped_en(alpha, g, None), float(g))
         t_on = on.latency_s(rate_rps)
@@ -902,8 +910,13 @@ def best_draft_length(
         if math.isinf(t_on):
             if best_overloaded is None or s > best_overloaded[1]:
                 best_overloaded = (g, s, t_on)
+            since_best += 1
         elif best is None or t_on < best[2]:
-            best = (g, s, t_on)
+            best, since_best = (g, s, t_on), 0
+        else:
+            since_best += 1
+        if best is not None and patience is not None and since_best >= patience:
+            break
     return DraftChoice(*(best if best is not None else best_overloaded))  # type: ignore[misc]
 
 

@@ -46,6 +46,7 @@ class Reason(StrEnum):
     # acting
     SPEEDUP_LOW = "speedup_below_disable_threshold"
     SPEEDUP_HIGH = "speedup_above_enable_threshold"
+    RISE_AHEAD = "disable_ahead_of_rising_load"  # the restart the rise will force is cheapest now
     ACCEPTANCE_FLOOR = "acceptance_floor"
     OVERRIDE = "override"
     # holding
@@ -303,6 +304,16 @@ def decide(
         s = pessimistic_speedup(assessment, settings.enable_posterior_z)
     want_off = on and (floor_hit or s < settings.disable_threshold)
     want_on = (not on) and s > settings.enable_threshold
+    # A steady rise toward SD's break-even will force the restart off anyway; once its backlog
+    # grows faster than SD's last gains, now is the cheapest time for it.
+    early = (
+        bool(on)
+        and not want_off
+        and settings.price_switches
+        and settings.disable_ahead_of_rise
+        and assessment.early_disable_saving_request_s > settings.rise_saving_margin * assessment.switch_cost_request_s
+    )
+    want_off = want_off or early
     if want_on and _below_floor(assessment, settings):
         # SD is off and the acceptance it last showed is under the floor: the model may still
         # like SD, but re-enabling would trip the floor again ten minutes later (a flapping loop).
@@ -345,6 +356,13 @@ def decide(
                 f"{now - (state.low_acceptance_since or now):.0f}s"
             ),
         )
+    elif early:
+        reason, detail = (
+            Reason.RISE_AHEAD,
+            f"speedup {s:.3f}, but the load's rise makes the rule disable SD in "
+            f"{assessment.rule_disable_in_s or 0.0:.0f}s at a dearer restart: now saves "
+            f"{assessment.early_disable_saving_request_s:.0f} req·s",
+        )
     elif want_off:
         reason, detail = Reason.SPEEDUP_LOW, f"speedup {s:.3f} < {settings.disable_threshold}"
     else:
@@ -364,18 +382,23 @@ def decide(
             state,
         )
     err = assessment.model_error_ratio
-    if risk and not assessment.applied_overloaded and err is not None and err > 0:
-        if abs(math.log(err)) > math.log1p(settings.model_error_threshold):
-            # A model that mispredicts the state it watches (a calibration from another server,
-            # a driver upgrade) would price the other state just as wrongly: the correction
-            # catches up first. Overload and the safety net still act.
-            return out(
-                Action.NONE,
-                Reason.MODEL_ERROR,
-                f"{detail}; observed/predicted latency {err:.2f} beyond ±{settings.model_error_threshold:.0%}",
-                on,
-                state,
-            )
+    if (
+        risk
+        and not assessment.applied_overloaded
+        and err is not None
+        and err > 0
+        and abs(math.log(err)) > math.log1p(settings.model_error_threshold)
+    ):
+        # A model that mispredicts the state it watches (a calibration from another server,
+        # a driver upgrade) would price the other state just as wrongly: the correction
+        # catches up first. Overload and the safety net still act.
+        return out(
+            Action.NONE,
+            Reason.MODEL_ERROR,
+            f"{detail}; observed/predicted latency {err:.2f} beyond ±{settings.model_error_threshold:.0%}",
+            on,
+            state,
+        )
     if state.last_change_at is not None and now - state.last_change_at < settings.dwell_s:
         left = settings.dwell_s - (now - state.last_change_at)
         return out(Action.NONE, Reason.DWELL, f"{detail}; dwell holds {left:.0f}s more", on, state)
@@ -383,7 +406,7 @@ def decide(
         left = state.retry_not_before - now
         return out(Action.NONE, Reason.BACKOFF, f"{detail}; retry after {left:.0f}s", on, state)
     lasted = now - (state.switch_wanted_since if state.switch_wanted_since is not None else now)
-    if risk and lasted < assessment.excursion_filter_s:
+    if risk and not early and lasted < assessment.excursion_filter_s:
         return out(
             Action.NONE,
             Reason.EXCURSION,
@@ -391,7 +414,8 @@ def decide(
             on,
             state,
         )
-    if settings.price_switches and not floor_hit:
+    if settings.price_switches and not floor_hit and not early:
+        # (Disabling ahead of the rise was priced against the later restart it replaces.)
         gain, cost = assessment.projected_gain_request_s, assessment.switch_cost_request_s
         back = assessment.undo_cost_request_s if want_on else 0.0
         rented = gain

@@ -46,6 +46,11 @@ RECENT_PEAK_S = 3600.0
 TREND_MIN_CHANGE = 0.10
 TREND_MIN_RPS = 0.5
 TREND_MIN_R2 = 0.8
+# A rise that disabling SD may anticipate: a steady line through the last two hours. A step is a
+# poor line over any window (r² ≤ 0.75 for one in mid-window), a steady rise a better one the
+# longer the window, so the longer fit tells a morning's climb from a step that has stopped.
+RISE_FIT_S = 7200.0
+RISE_MIN_BUCKETS = 18
 
 
 def backlog_drain_s(rate_rps: float, downtime_s: float, capacity_rps: float) -> float:
@@ -162,6 +167,15 @@ def trend_is_material(fit: tuple[float, float] | None, rate_rps: float) -> bool:
     return r2 >= TREND_MIN_R2 and abs(slope) * TREND_FIT_S >= max(TREND_MIN_CHANGE * rate_rps, TREND_MIN_RPS)
 
 
+def steady_rise(history: RateHistory, now: float, rate_rps: float) -> float | None:
+    """The slope (req/s per second) of a load that has risen along a steady line for the last
+    RISE_FIT_S (:func:`trend_is_material` over that window, rising); None otherwise."""
+    fit = history_fit(history, now, window_s=RISE_FIT_S, min_buckets=RISE_MIN_BUCKETS)
+    if fit is None or fit[0] <= 0.0 or not trend_is_material(fit, rate_rps):
+        return None
+    return fit[0]
+
+
 def rented_gain(gain: float, lasted_s: float, horizon_s: float) -> float:
     """A switch's projected gain over ``horizon_s``, weighted by the chance that the load that
     wants it is still there (it has lasted ``lasted_s``): the gain's rate times
@@ -176,9 +190,7 @@ def rented_gain(gain: float, lasted_s: float, horizon_s: float) -> float:
     return gain * min(lasted_s / horizon_s * math.log1p(horizon_s / lasted_s), 1.0)
 
 
-def recent_peak(
-    history: RateHistory, now: float, window_s: float = RECENT_PEAK_S
-) -> tuple[float, float] | None:
+def recent_peak(history: RateHistory, now: float, window_s: float = RECENT_PEAK_S) -> tuple[float, float] | None:
     """``(rate, when)``: the highest rate of the last ``window_s`` (its bucket's start), or None.
 
     Yesterday says what the same hours bring; the last hour says what an oscillating load or a

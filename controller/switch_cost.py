@@ -94,6 +94,24 @@ def path_gain(points: Sequence[tuple[float, float, float, float, float]], step_s
     return float(sum(gains))
 
 
+def switch_now_saving(costs: Sequence[float], gains: Sequence[float]) -> tuple[float, float]:
+    """What a restart now saves against the cheapest later time on a grid, and against the last
+    one (negative: later is cheaper). ``costs[k]`` is the restart's price at grid time k (0 = now,
+    the last = when it would come anyway), ``gains[k]`` what staying in the current state until
+    then gains (``gains[0]`` = 0; −inf once staying enters an overload).
+
+    A restart the load will force anyway (a rising load crossing the break-even) is dearer the
+    later it comes, since its backlog grows with the rate; staying pays off only while the gain
+    of the current state outruns that growth.
+    """
+    if len(costs) != len(gains) or len(costs) < 2:
+        raise ValueError("costs and gains need the same length, at least 2")
+    if not math.isfinite(costs[0]):
+        return -math.inf, -math.inf  # a restart now would never clear its backlog
+    later = [c - g for c, g in zip(costs[1:], gains[1:], strict=True)]
+    return min(later) - costs[0], later[-1] - costs[0]
+
+
 def projected_rate(
     short_rps: float, long_rps: float | None, short_window_s: float, long_window_s: float, ahead_s: float
 ) -> float:

@@ -188,3 +188,35 @@ def test_oscillating_load_is_judged_by_its_recent_peak():
         MODEL, Settings(calibration_file=LEGACY_CALIBRATION, price_switches=False), off, trough, False, None, T
     )
     assert plain.projected_rate_rps == 10.0  # without pricing: the thresholds on the current rate only
+
+
+@pytest.mark.parametrize(
+    ("rate", "slope", "hours", "on", "early"),
+    [
+        (5.5, 1.2, 2.0, True, True),  # 2 h of +1.2 req/s an hour toward the ~8.2 break-even
+        (6.5, 2.5, 2.0, True, True),  # steeper and closer
+        (5.5, 0.0, 2.0, True, False),  # flat: the rule's own disable never comes
+        (4.5, 1.2, 2.0, True, False),  # the crossing is more than 2 h away: too far to anticipate
+        (5.5, 1.2, 1.0, True, False),  # only an hour of the line: too young
+        (5.5, 1.2, 2.0, False, False),  # SD off: nothing to disable
+    ],
+)
+def test_a_steady_rise_toward_the_break_even_prices_disabling_now_against_later(rate, slope, hours, on, early):
+    """SD on, the load rising along a line toward SD's break-even (truth calibration, ~8.2 req/s
+    at this acceptance): the rule would disable SD at the crossing, at a dearer restart; the
+    assessment says what disabling now saves against that, only when now is the cheapest time."""
+    model = load(truth_calibration_path()).latency_model()
+    obs = Observation(
+        T, rate, arrival_rate_long_rps=rate, acceptance_rate=0.38, mean_draft_tokens=4.0,
+        mean_prompt_tokens=1000.0, mean_gen_tokens=280.0,
+    )  # fmt: skip
+    state = ControllerState(
+        applied_enabled=on, applied_draft_length=4 if on else None, rate_history=_history(rate, slope, hours)
+    )
+    a = assess(model, S, state, obs, on, 4 if on else None, T)
+    assert a.decision_speedup > S.disable_threshold  # SD still wins now: only the rise argues
+    assert (a.early_disable_saving_request_s > S.rise_saving_margin * a.switch_cost_request_s) is early
+    if early:
+        assert 0 < a.rule_disable_in_s <= 7200.0
+    off = assess(model, S.model_copy(update={"disable_ahead_of_rise": False}), state, obs, on, 4 if on else None, T)
+    assert off.early_disable_saving_request_s == 0.0

@@ -238,6 +238,35 @@ def test_best_draft_length_shrinks_with_load():
     assert low.draft_length == 1 + int(np.argmin(lat))
 
 
+@pytest.mark.parametrize("cal", ["example", "truth", "legacy"])
+def test_the_draft_length_search_that_stops_past_the_best_finds_the_exhaustive_latency(cal):
+    """Stopping three candidates past the best costs at most the knees' ripples: SD's latency at
+    the choice is within 1 % of the exhaustive search's over loads, acceptances and workloads
+    (and the same choice in almost every case)."""
+    from controller.calibration import load
+    from controller.shipped import example_calibration_path
+    from controller.sim.demo_truth import truth_calibration_path
+    from tests.support import LEGACY_CALIBRATION
+
+    path = {"example": example_calibration_path(), "truth": truth_calibration_path(), "legacy": LEGACY_CALIBRATION}
+    m = load(path[cal]).latency_model()
+    same = total = 0
+    for alpha in (0.3, 0.6, 0.8, 0.95):
+        for w in (Workload(200, 100, 80.0, 140.0), Workload(1000, 280, 280.0, 600.0), Workload(4000, 500)):
+            limit = stability_limits(m, alpha, 1, w)[0]
+            for f in (0.0, 0.3, 0.6, 0.85, 0.95, 1.05):
+                rate = f * limit
+                quick = best_draft_length(m, rate, alpha, w)
+                full = best_draft_length(m, rate, alpha, w, patience=None)
+                total += 1
+                same += quick.draft_length == full.draft_length
+                if math.isfinite(full.latency_on_s):
+                    assert quick.latency_on_s <= full.latency_on_s * 1.01
+                else:
+                    assert quick == full  # overloaded at every γ: the whole list is searched
+    assert same >= 0.95 * total
+
+
 def test_break_even_zero_and_always_above():
     slow = simple(verify=StepCost(0.1, 0.01))
     assert break_even_rates(slow, 0.5, 1, W)[1.05].rate_rps == 0.0

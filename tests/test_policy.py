@@ -521,7 +521,9 @@ def test_no_re_enable_while_the_last_acceptance_is_under_the_floor(source, rate,
         (True, 300.0, False, 1000.0, True, True, Reason.SPEEDUP_LOW),  # disabling pays no rent
     ],
 )
-def test_an_unforecast_quiet_load_must_have_lasted_before_sd_is_enabled_on_it(on, lasted, forecast, gain, prior, acts, reason):
+def test_an_unforecast_quiet_load_must_have_lasted_before_sd_is_enabled_on_it(
+    on, lasted, forecast, gain, prior, acts, reason
+):
     settings = RISK.model_copy(update={"load_age_prior": prior})
     speedup = 0.9 if on else 1.5
     a = dataclasses.replace(
@@ -562,3 +564,38 @@ def test_what_the_evidence_leaves_open_keeps_sd_off(z, action):
     a = dataclasses.replace(assessment(1.25), projected_speedup=1.25, speedup_log_sd=0.1)
     d, _ = decide(settings.policy, off_state(), obs(), a, AUTO, T0)
     assert d.action is action
+
+
+@pytest.mark.parametrize(
+    ("on", "speedup", "saving", "enabled", "wanted_since", "acts", "reason"),
+    [
+        # SD still wins now, but the rise makes the later restart dearer by more than 20 % of it
+        (True, 1.3, 300.0, True, None, True, Reason.RISE_AHEAD),  # no excursion filter: the line is 2 h old
+        (True, 1.3, 200.0, True, None, False, Reason.STEADY),  # 20 % of the cost (1000): not enough
+        (True, 1.3, 300.0, False, None, False, Reason.STEADY),  # disable_ahead_of_rise off
+        (True, 0.9, 300.0, True, None, False, Reason.EXCURSION),  # past the break-even: the rule's own path
+        (False, 1.1, 300.0, True, None, False, Reason.STEADY),  # SD off: nothing to anticipate
+    ],
+)
+def test_sd_is_disabled_ahead_of_a_rise_when_the_later_restart_is_dearer(
+    on, speedup, saving, enabled, wanted_since, acts, reason
+):
+    settings = RISK.model_copy(update={"disable_ahead_of_rise": enabled, "rise_saving_margin": 0.2}).policy
+    a = dataclasses.replace(
+        risky(speedup),
+        switch_cost_request_s=1000.0,
+        early_disable_saving_request_s=saving,
+        rule_disable_in_s=5400.0,
+    )
+    state = (on_state if on else off_state)(switch_wanted_since=wanted_since)
+    d, _ = decide(settings, state, obs(), a, AUTO, T0)
+    assert (d.acts, d.reason) == (acts, reason)
+    if reason is Reason.RISE_AHEAD:
+        assert d.action is Action.DISABLE and d.desired_enabled is False
+        assert "in 5400s" in d.detail and "saves 300 req·s" in d.detail
+
+
+def test_disabling_ahead_of_a_rise_still_waits_for_the_dwell():
+    a = dataclasses.replace(risky(1.3), switch_cost_request_s=1000.0, early_disable_saving_request_s=900.0)
+    d, _ = decide(RISK.policy, on_state(last_change_at=T0 - 60), obs(), a, AUTO, T0)
+    assert (d.action, d.reason) == (Action.NONE, Reason.DWELL)

@@ -1,5 +1,6 @@
 """The risk terms, table-tested over timestamps (controller/risk.py; no clock, no I/O)."""
 
+import itertools
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from controller.risk import (
     persisted_since,
     record_rate,
     rented_gain,
+    steady_rise,
     trend_is_material,
 )
 
@@ -207,5 +209,22 @@ def test_rented_gain_weighs_the_gain_by_the_chance_the_load_is_still_there(gain,
 def test_rented_gain_grows_with_the_load_age_and_never_passes_the_whole_gain():
     ages = [60.0 * k for k in range(1, 600)]
     got = [rented_gain(1000.0, a, 7200.0) for a in ages]
-    assert all(b >= a for a, b in zip(got, got[1:]))
+    assert all(b >= a for a, b in itertools.pairwise(got))
     assert max(got) <= 1000.0
+
+
+@pytest.mark.parametrize(
+    ("points", "rate", "expected"),
+    [
+        ([(k * 300.0, 2.0 + 0.1 * k) for k in range(24)], 4.4, 0.1 / 300.0),  # +1.2 req/s an hour for 2 h
+        ([(k * 300.0, 2.0 + 0.1 * k) for k in range(12)], 3.2, None),  # only an hour of it: too young
+        ([(k * 300.0, 2.0 if k < 12 else 6.0) for k in range(24)], 6.0, None),  # a step: a poor line
+        ([(k * 300.0, 8.0 - 0.2 * k) for k in range(24)], 3.2, None),  # falling
+        ([(k * 300.0, 5.0 + (0.3 if k % 2 else -0.3)) for k in range(24)], 5.0, None),  # flat noise
+        # a steady line with noise on it still counts
+        ([(k * 300.0, 2.0 + 0.1 * k + (0.15 if k % 2 else -0.15)) for k in range(24)], 4.4, 0.1 / 300.0),
+    ],
+)
+def test_a_rise_to_anticipate_is_a_steady_line_through_two_hours(points, rate, expected):
+    got = steady_rise(tuple(points), 7200.0, rate)
+    assert got == (None if expected is None else pytest.approx(expected, rel=0.05))

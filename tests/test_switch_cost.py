@@ -12,6 +12,7 @@ from controller.switch_cost import (
     projected_rate,
     switch_cost,
     switch_gain,
+    switch_now_saving,
     trend_slope,
 )
 
@@ -92,3 +93,29 @@ def test_downtime_estimate():
 )
 def test_path_gain(points, expected):
     assert path_gain(points, 10.0) == expected
+
+
+@pytest.mark.parametrize(
+    ("costs", "gains", "expected"),
+    [
+        # the restart gets dearer faster than staying gains: now is cheapest, by 30 against the last
+        ([100.0, 120.0, 150.0], [0.0, 10.0, 20.0], (10.0, 30.0)),
+        # staying gains more than the restart's price grows: later is cheaper (negative)
+        ([100.0, 110.0, 150.0], [0.0, 30.0, 40.0], (-20.0, 10.0)),
+        # staying runs into an overload before the last time: every later time is worth anything
+        ([100.0, 120.0, 150.0], [0.0, 10.0, -math.inf], (10.0, math.inf)),
+        # a restart now would never clear its backlog: never now
+        ([math.inf, 120.0], [0.0, 10.0], (-math.inf, -math.inf)),
+        # nor later: now, whatever it costs
+        ([100.0, math.inf], [0.0, 10.0], (math.inf, math.inf)),
+    ],
+)
+def test_switch_now_saving_weighs_a_dearer_restart_later_against_the_gain_until_then(costs, gains, expected):
+    assert switch_now_saving(costs, gains) == expected
+
+
+def test_switch_now_saving_needs_a_grid():
+    with pytest.raises(ValueError, match="same length"):
+        switch_now_saving([1.0], [0.0])
+    with pytest.raises(ValueError, match="same length"):
+        switch_now_saving([1.0, 2.0], [0.0])
