@@ -98,6 +98,7 @@ PREDICTION_GAUGES = (
     "sd_projected_gain_request_seconds",
     "sd_gain_horizon_seconds",
     "sd_restart_downtime_seconds",
+    "sd_disable_ahead_saving_request_seconds",
 )
 
 
@@ -119,6 +120,10 @@ class Exporter:
         g.define("sd_acceptance_alpha", "Per-token acceptance α derived from it")
         g.define("sd_draft_length", "Draft length SD runs (or would run) with")
         g.define("sd_best_draft_length", "Model's best draft length at the projected rate")
+        g.define(
+            "sd_disable_ahead_saving_request_seconds",
+            "SD on under a steady rise: what disabling now saves against the rule's later restart (0: nothing)",
+        )
         g.define("sd_enabled", "SD applied on the server (1) or not (0)")
         g.define("sd_desired_enabled", "SD state the controller wants")
         g.define("sd_effective_batch_size", "Predicted running batch (Little's law) in the applied state")
@@ -234,6 +239,7 @@ class Exporter:
         g("sd_projected_gain_request_seconds", a.projected_gain_request_s)
         g("sd_gain_horizon_seconds", a.gain_horizon_s)
         g("sd_restart_downtime_seconds", a.restart_downtime_s)
+        g("sd_disable_ahead_saving_request_seconds", a.early_disable_saving_request_s)
 
     def record_learning(self, learner: Learner, learned: Learned | None, assessment: Assessment | None) -> None:
         """Drift and the correction (see controller/learning.py)."""
