@@ -171,7 +171,7 @@ class PricingSettings(BaseModel):
     )
     disable_ahead_of_rise: bool = Field(
         True,
-        description="With SD on and the load rising along a steady line (r² ≥ 0.8 over the last hour, ≥ 10 % an hour) toward SD's break-even, disable SD as soon as restarting now is cheaper than at any later time before the rule would disable it anyway: the restart's backlog grows with the rate, and SD's last gains before the crossing are small. Off: SD is disabled only once the load has passed the break-even.",
+        description="With SD on and the load rising along a steady line (r² ≥ 0.8 over the last two hours, ≥ 10 % an hour) toward SD's break-even, at most two hours before the rule would disable SD anyway, disable it as soon as restarting now is cheaper than at any later time until then: the restart's backlog grows with the rate, and SD's last gains before the crossing are small. Off: SD is disabled only once the load has passed the break-even.",
     )
     rise_saving_margin: float = Field(
         0.2,
