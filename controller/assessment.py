@@ -126,7 +126,7 @@ class Assessment:
     # the restart back that enabling SD commits to when that peak passes SD's break-even, how
     # long a switch signal must persist, and whether the applied state is wrong right now.
     expected_peak_rps: float | None = None
-    trend_speedup: float = math.nan  # at the current or trend-projected rate, without the recent peak
+    trend_speedup: float = math.nan  # at the current rate or the history's forecast (no peak, no window trend)
     undo_cost_request_s: float = 0.0
     excursion_filter_s: float = 0.0
     applied_overloaded: bool = False
@@ -184,8 +184,8 @@ def assess(
         # and an oscillating load is judged by its recent peak, not by the trough it is in.
         # The same hours on earlier days say what the next minutes bring better than a trend.
         soon = forecast_peak(state.rate_history, now, lookahead) or 0.0
-        trend_rate = max(rate, ahead, soon)
-        eval_rate = max(trend_rate, obs.arrival_rate_peak_rps or 0.0)
+        trend_rate = max(rate, soon)
+        eval_rate = max(trend_rate, ahead, obs.arrival_rate_peak_rps or 0.0)
     else:
         eval_rate = trend_rate = rate
     best = best_draft_length(model, eval_rate, acc.alpha, workload, settings.draft_length_candidates)
@@ -198,9 +198,11 @@ def assess(
     en = acc.accepted_length if acc.accepted_length is not None and gamma_on == gamma_now else None
     now_p = predict_point(model, rate, acc.alpha, gamma_on, workload, en)
     eval_p = now_p if eval_rate == rate else predict_point(model, eval_rate, acc.alpha, gamma_on, workload, en)
-    # The excursion filter times the load that is here (or coming, by the trend and the
-    # history), not the recent peak the decision also weighs: a spike that is over must not
-    # keep a switch signal alive for the long window.
+    # The excursion filter times the load that is here (or coming, by the same hours of earlier
+    # days), not the recent peak or the two windows' trend the decision also weighs: a spike
+    # that is over must not keep a switch signal alive for the long window, and a step looks
+    # like a steep trend to the two windows for as long (a step to a load where SD still wins
+    # restarted vLLM on it).
     trend_p = eval_p if trend_rate == eval_rate else predict_point(model, trend_rate, acc.alpha, gamma_on, workload, en)
     thresholds = (1.0, settings.disable_threshold, settings.enable_threshold)
     bes = break_even_rates(model, acc.alpha, gamma_on, workload, thresholds=thresholds, accepted_length=en)

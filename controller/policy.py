@@ -326,7 +326,8 @@ def decide(
             state,
         )
     # The signal the excursion filter times: the switch is wanted *and* the load that is here
-    # (or coming by the trend) wants it too — not only the recent peak the decision weighs.
+    # (or coming by the history) wants it too — not only the recent peak or the two windows'
+    # trend the decision weighs.
     t = assessment.trend_speedup
     signal = (want_off and (math.isnan(t) or t < settings.disable_threshold or assessment.applied_overloaded)) or (
         want_on and (math.isnan(t) or t > settings.enable_threshold)

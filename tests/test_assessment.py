@@ -220,3 +220,25 @@ def test_a_steady_rise_toward_the_break_even_prices_disabling_now_against_later(
         assert 0 < a.rule_disable_in_s <= 7200.0
     off = assess(model, S.model_copy(update={"disable_ahead_of_rise": False}), state, obs, on, 4 if on else None, T)
     assert off.early_disable_saving_request_s == 0.0
+
+
+def test_the_excursion_signal_times_the_load_that_is_here_not_the_two_windows_projection():
+    """A step from 3 to 7 req/s looks like a steep trend to the two rate windows for a quarter
+    of an hour: the decision's rate believes it (conservative toward SD overload), but the
+    speedup the excursion filter times is the observed load's, or what the same hours of an
+    earlier day bring. Otherwise a step to a load where SD still wins restarts vLLM."""
+    model = load(truth_calibration_path()).latency_model()
+    obs = Observation(
+        T, 7.0, arrival_rate_long_rps=3.0, acceptance_rate=0.38, mean_draft_tokens=4.0,
+        mean_prompt_tokens=1000.0, mean_gen_tokens=280.0,
+    )  # fmt: skip
+    on = ControllerState(applied_enabled=True, applied_draft_length=4)
+    a = assess(model, S, on, obs, True, 4, T)
+    assert a.projected_rate_rps > 7.0 and a.decision_speedup < a.predicted_speedup
+    assert a.trend_speedup == pytest.approx(a.predicted_speedup)
+    # Yesterday's same quarter hour at 12 req/s: that is a forecast, and the signal times it.
+    yesterday = tuple((T - 86400.0 + k * 300.0, 12.0) for k in range(4))
+    a_day = assess(
+        model, S, ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=yesterday), obs, True, 4, T
+    )
+    assert a_day.trend_speedup < a.trend_speedup
