@@ -185,7 +185,11 @@ def assess(
         # The same hours on earlier days say what the next minutes bring better than a trend.
         soon = forecast_peak(state.rate_history, now, lookahead) or 0.0
         trend_rate = max(rate, soon)
-        eval_rate = max(trend_rate, ahead, obs.arrival_rate_peak_rps or 0.0)
+        # The peak is the highest completion rate between scrapes: for a long window after a
+        # restart it is the restart's own backlog draining, not load.
+        since_change = now - state.last_change_at if state.last_change_at is not None else math.inf
+        peak = (obs.arrival_rate_peak_rps or 0.0) if since_change >= settings.long_window_s else 0.0
+        eval_rate = max(trend_rate, ahead, peak)
     else:
         eval_rate = trend_rate = rate
     best = best_draft_length(model, eval_rate, acc.alpha, workload, settings.draft_length_candidates)

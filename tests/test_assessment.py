@@ -190,6 +190,19 @@ def test_oscillating_load_is_judged_by_its_recent_peak():
     assert plain.projected_rate_rps == 10.0  # without pricing: the thresholds on the current rate only
 
 
+@pytest.mark.parametrize(("changed_ago", "counts"), [(60.0, False), (899.0, False), (900.0, True), (None, True)])
+def test_the_completion_peak_of_a_restarts_own_drain_is_not_load(changed_ago, counts):
+    """For a long window after a restart the highest completion rate between scrapes is the
+    backlog the outage built, draining: it must not make the decision's rate a peak."""
+    at = None if changed_ago is None else T - changed_ago
+    state = ControllerState(applied_enabled=False, last_change_at=at)
+    obs = Observation(
+        T, 10.0, arrival_rate_long_rps=10.0, arrival_rate_peak_rps=15.0, mean_prompt_tokens=512, mean_gen_tokens=256
+    )
+    a = assess(MODEL, S, state, obs, False, None, T)
+    assert a.projected_rate_rps == (15.0 if counts else 10.0)
+
+
 @pytest.mark.parametrize(
     ("rate", "slope", "hours", "on", "early"),
     [
