@@ -329,11 +329,10 @@ def assess(
         # better): the gain follows the fitted line over the horizon, never above the expected
         # peak (or twice the load plus one request per second without one) and never below half
         # the load (a line fitted to an evening does not run on to zero).
-        top = line_top
         step = horizon / GAIN_PATH_POINTS
         path = []
         for k in range(GAIN_PATH_POINTS):
-            r = min(max(eval_rate + fitted * (k + 0.5) * step, 0.5 * eval_rate), top)
+            r = min(max(eval_rate + fitted * (k + 0.5) * step, 0.5 * eval_rate), line_top)
             path.append(priced(r, predict_point(model, r, acc.alpha, gamma_on, workload, en)) if r > 0 else here)
         gain = path_gain(path, step)
     now_cur = now_p.latency_on_s if currently_on else now_p.latency_off_s
