@@ -19,8 +19,10 @@ Pure Python and numpy, no I/O. docs/model.md derives every term; in short:
   terms. T is piecewise quadratic in B, so ``B = λ·T(B)`` is solved exactly, segment by segment.
 * The batch is bounded by ``max_num_seqs`` and by the KV cache (with SD the draft's weights and
   KV leave less). The stability limit is the highest throughput ``B/T(B)`` below that bound (or
-  where the token budget starves prefill). Near it, arrivals and lengths vary: a
-  heavy-traffic wait (:mod:`controller.queueing`) is added so latency rises before the limit.
+  where the token budget starves prefill). Arrivals are Poisson, so the number of requests in
+  the server wanders around the fixed point: the mean latency is taken over the birth–death
+  chain of that number (:mod:`controller.queueing`), which rises smoothly to the limit and
+  queues past the bound.
 * Prediction intervals scale every step cost by ``1 ± z·σ`` (σ from calibration residuals);
   scaling all costs by ``s`` maps ``T(λ)`` to ``s·T(s·λ)``, so an interval costs no new solve.
 """
@@ -32,13 +34,13 @@ import functools
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from controller.acceptance import accepted_length as _accepted_length
-from controller.queueing import heavy_traffic_wait_s
+from controller.queueing import MAX_STATES, cumulative_log_rates, mean_in_system
 
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
@@ -265,13 +267,13 @@ class Workload:
         g = max(self.gen_tokens, 1e-9)
         return self.gen_tokens_var / (g * g)
 
-    def curve_terms(self) -> tuple[float, float, float, float, tuple[tuple[float, float], ...]]:
-        """(mean_context_tokens, service_scv, E[P], prompt_pairs, prompt_nodes), computed once and
+    def curve_terms(self) -> tuple[float, float, float, tuple[tuple[float, float], ...]]:
+        """(mean_context_tokens, E[P], prompt_pairs, prompt_nodes), computed once and
         kept on the instance: every curve of a decision (both modes, each γ) reads them."""
         terms = self.__dict__.get("_curve_terms")
         if terms is None:
             nodes = self.prompt_nodes
-            terms = (self.mean_context_tokens, self.service_scv, sum(w * x for w, x in nodes), self.prompt_pairs, nodes)
+            terms = (self.mean_context_tokens, sum(w * x for w, x in nodes), self.prompt_pairs, nodes)
             object.__setattr__(self, "_curve_terms", terms)
         return terms
 
@@ -478,13 +480,13 @@ class ModeCurve:
     batch_bound: float  # min(max_num_seqs, KV cache / context per sequence)
     peak_batch: float  # where the throughput B/T(B) peaks
     stability_limit_rps: float
-    service_scv: float
     lines: tuple[tuple[float, float, float, float], ...]
     ends: tuple[float, ...]  # each segment's end, the last one +inf: bisect finds B's segment
     reach: tuple[float, ...]
-    service_s: float  # T at the peak batch: the service time of the queueing term
     steps: float
     step_tokens: float
+    # Σ ln h(k), k ≤ n, n = 0..⌊bound⌋: the birth–death chain's departure rates (latency_s).
+    cum_log_rates: np.ndarray = field(default_factory=lambda: np.zeros(1), compare=False, repr=False)
 
     def step(self, batch: float) -> float:
         """τ(B): one decode (verify) step with B other sequences running (B ≤ the bound)."""
@@ -527,14 +529,13 @@ class ModeCurve:
         return self._solve(rate_rps)[1]
 
     def latency_s(self, rate_rps: float) -> float:
-        """Mean time in system at this rate: fluid fixed point + heavy-traffic wait; inf past the limit."""
-        if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
+        """Mean time in system at this rate over the batch's birth–death chain; inf past the limit."""
+        limit = self.stability_limit_rps
+        if rate_rps >= limit * (1.0 - 1e-12):
             return math.inf
         if rate_rps <= 0.0:
             return self.segments[0][2]  # no load: no wait
-        return self._solve(rate_rps)[1] + heavy_traffic_wait_s(
-            rate_rps, self.stability_limit_rps, max(self.peak_batch, 1.0), self.service_s, self.service_scv
-        )
+        return mean_in_system(rate_rps, self.cum_log_rates, limit) / rate_rps
 
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
         """Latency if every step cost were ``cost_scale`` times larger: s·T(s·λ)."""
@@ -591,7 +592,7 @@ def mode_curve(
 ) -> ModeCurve:
     """Build (and cache) the exact rate curve of one mode."""
     terms = _mode_terms(model, sd, draft_length)
-    ctx, scv, mean_p, pairs, nodes = workload.curve_terms()
+    ctx, mean_p, pairs, nodes = workload.curve_terms()
     bound = float(model.max_num_seqs)
     kv = model.kv_cache_tokens_on if sd else model.kv_cache_tokens_off
     if kv is not None and kv > 0:
@@ -618,14 +619,21 @@ def mode_curve(
     g = max(float(workload.gen_tokens), 1.0)
     steps = (g - 1.0) / accepted_length
     segments, lines, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound)
-    service = _latency_at(segments, ends, peak_b)
-    curve = ModeCurve(segments, bound, peak_b, peak_h, scv, lines, ends, reach, service, steps, k)
+    curve = ModeCurve(segments, bound, peak_b, peak_h, lines, ends, reach, steps, k)
     if model.max_num_batched_tokens is not None and p > 0:
         limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
         if limit < peak_h:
-            b = curve.batch(limit)
-            curve = replace(curve, stability_limit_rps=limit, peak_batch=b, service_s=curve.latency_at_batch(b))
-    return curve
+            curve = replace(curve, stability_limit_rps=limit, peak_batch=curve.batch(limit))
+    return replace(curve, cum_log_rates=_chain_rates(segments, ends, bound))
+
+
+def _chain_rates(segments, ends: tuple[float, ...], bound: float) -> np.ndarray:
+    """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1)."""
+    n = np.arange(1.0, min(math.floor(bound), MAX_STATES) + 1.0)
+    others = n - 1.0
+    seg = np.asarray(segments)[np.searchsorted(np.asarray(ends), others, side="left")]
+    t = seg[:, 2] + others * (seg[:, 3] + others * seg[:, 4])
+    return cumulative_log_rates(n / t)
 
 
 # --------------------------------------------------------------------------------------------

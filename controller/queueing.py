@@ -1,40 +1,64 @@
-"""Waiting from variability: what the fluid fixed point leaves out near the stability limit.
+"""The running batch as a birth–death chain: what the fluid fixed point leaves out.
 
-The fixed point B = λ·T(B) treats arrivals and request lengths as steady flows. Real arrivals
-are Poisson and generated lengths vary, so the batch sometimes fills while the mean is still
-below capacity, and requests queue. For a server of ``c`` parallel slots (the batch at which
-throughput peaks) each holding a request for ``service_s``, the M/G/c heavy-traffic
-approximation of Sakasegawa (1977) with the Allen–Cunneen variability factor gives
+The fixed point B = λ·T(B) treats arrivals as a steady flow. Real arrivals are Poisson, so the
+number of requests in the server wanders around that mean, and because T grows with the batch
+(and throughput flattens near capacity) the mean latency over those states is not the latency
+at the mean state. With ``n`` requests in the server the engine runs them all in every step and
+finishes them at the rate ``h(n) = n / T(n − 1)`` (each shares its steps with the n − 1 others:
+the same T the fixed point solves); past the batch bound the rest wait in the queue and the
+server keeps finishing at the full batch's rate. That is a birth–death chain with arrival rate
+λ and departure rate h(n), whose stationary law is
 
-    W_q ≈ ρ^(√(2(c+1)) − 1) / (c·(1 − ρ)) · (c_a² + c_s²)/2 · service_s,   ρ = λ / μ,
+    π(n) ∝ λⁿ / (h(1)·h(2)·…·h(n)),
 
-exact for M/M/1; against Erlang C for M/M/c it errs by −2 % to +4 % of the service time
-(tests/test_queueing.py: relatively it overstates small waits at moderate load, which are
-negligible next to the service time, and is within 8 % at ρ ≥ 0.8). It diverges as ρ → 1, so
-the predicted latency rises toward the limit instead of jumping to "overloaded" at it.
+and the mean latency is E[n]/λ (Little). It is exact for M/M/1 (h constant), M/M/c (Erlang C)
+and M/M/∞ (tests/test_queueing.py), and for the processor-sharing batch it is insensitive to
+the shape of the length distribution. Near the stability limit it rises smoothly to the limit
+instead of following the fixed point's fold, and past the bound the queue tail is geometric,
+so the chain is summed to the bound and the tail in closed form.
 """
 
 from __future__ import annotations
 
 import math
 
-POISSON_ARRIVAL_SCV = 1.0
+import numpy as np
+
+MAX_STATES = 4096  # enumerated states; past them (or the bound) the queue tail in closed form
+_STATES = np.arange(0.0, MAX_STATES + 1.0)  # n = 0, 1, 2, …: sliced, never rebuilt per call
 
 
-def heavy_traffic_wait_s(
-    rate_rps: float,
-    capacity_rps: float,
-    servers: float,
-    service_s: float,
-    service_scv: float,
-    arrival_scv: float = POISSON_ARRIVAL_SCV,
-) -> float:
-    """Mean wait before admission; +inf at or past capacity, 0 at no load."""
-    if rate_rps <= 0.0 or service_s <= 0.0:
+def cumulative_log_rates(departure_rps: np.ndarray) -> np.ndarray:
+    """``C[n] = Σ_{k ≤ n} ln h(k)`` for n = 0..N from the departure rates h(1..N), N at most
+    :data:`MAX_STATES` (a batch bound past it is only reached when thousands run at once).
+
+    The rates are made non-decreasing: a server never finishes more slowly because more
+    requests wait (it keeps running its best batch; past the throughput peak the extra ones
+    queue). The queue past the last state is served at the stability limit, which
+    :func:`mean_in_system` takes as ``tail_rps``.
+    """
+    raw = np.asarray(departure_rps, dtype=float)
+    if raw.size == 0 or not (raw > 0.0).all():
+        raise ValueError("departure rates must be positive")
+    h = np.maximum.accumulate(raw[:MAX_STATES])
+    return np.concatenate(([0.0], np.cumsum(np.log(h))))
+
+
+def mean_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) -> float:
+    """E[n] of the chain: states 0..N from ``cum_log_rates``, then a queue served at
+    ``tail_rps``; +inf at or past it, 0 at no load."""
+    if rate_rps <= 0.0:
         return 0.0
-    if capacity_rps <= 0.0 or rate_rps >= capacity_rps:
+    if rate_rps >= tail_rps:
         return math.inf
-    rho = rate_rps / capacity_rps
-    c = max(servers, 1.0)
-    prob_wait = rho ** (math.sqrt(2.0 * (c + 1.0)) - 1.0)
-    return prob_wait / (c * (1.0 - rho)) * 0.5 * (arrival_scv + service_scv) * service_s
+    top = cum_log_rates.size - 1
+    states = _STATES[: top + 1]
+    log_p = states * math.log(rate_rps) - cum_log_rates
+    p = np.exp(log_p - log_p.max())
+    z, first = float(p.sum()), float(states @ p)
+    # Past the bound every state's weight is the last one's times r = λ/h_tail, once more.
+    r = rate_rps / tail_rps
+    last = float(p[top])
+    z += last * r / (1.0 - r)
+    first += last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
+    return first / z

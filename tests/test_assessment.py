@@ -206,7 +206,7 @@ def test_the_completion_peak_of_a_restarts_own_drain_is_not_load(changed_ago, co
 @pytest.mark.parametrize(
     ("rate", "slope", "hours", "on", "early"),
     [
-        (5.5, 1.2, 2.0, True, True),  # 2 h of +1.2 req/s an hour toward the ~8.2 break-even
+        (6.0, 1.2, 2.0, True, True),  # 2 h of +1.2 req/s an hour toward the ~8.3 break-even
         (6.5, 2.5, 2.0, True, True),  # steeper and closer
         (5.5, 0.0, 2.0, True, False),  # flat: the rule's own disable never comes
         (4.5, 1.2, 2.0, True, False),  # the crossing is more than 2 h away: too far to anticipate
@@ -215,7 +215,7 @@ def test_the_completion_peak_of_a_restarts_own_drain_is_not_load(changed_ago, co
     ],
 )
 def test_a_steady_rise_toward_the_break_even_prices_disabling_now_against_later(rate, slope, hours, on, early):
-    """SD on, the load rising along a line toward SD's break-even (truth calibration, ~8.2 req/s
+    """SD on, the load rising along a line toward SD's break-even (truth calibration, ~8.3 req/s
     at this acceptance): the rule would disable SD at the crossing, at a dearer restart; the
     assessment says what disabling now saves against that, only when now is the cheapest time."""
     model = load(truth_calibration_path()).latency_model()

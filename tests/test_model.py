@@ -21,7 +21,7 @@ from controller.model import (
     speedup_point,
     stability_limits,
 )
-from controller.queueing import heavy_traffic_wait_s
+from controller.queueing import MAX_STATES
 
 ZERO = StepCost(0.0, 0.0)
 BIG = 10**7  # max_num_seqs large enough that neither the bound nor the queueing term matters
@@ -156,14 +156,26 @@ def test_knee_segment_by_segment():
     assert bool(predict(m, lim_off * 1.001, 0.5, 1, W).off.overloaded)
 
 
+def chain_latency_s(rate, t_of_others, bound, limit, tail_states=20000):
+    """The birth–death chain summed by hand: π(n) ∝ Π λ/h(k), h(k) = k/T(k − 1), the limit past the bound."""
+    weight, z, mean, best = 1.0, 1.0, 0.0, 0.0
+    for n in range(1, bound + tail_states):
+        h = limit if n > bound else max(best, n / t_of_others(n - 1))
+        best = h
+        weight *= rate / h
+        z += weight
+        mean += n * weight
+    return mean / z / rate
+
+
 def test_max_num_seqs_bounds_the_batch_and_queueing_rises_before_it():
     m = simple(max_num_seqs=10)
     c0, c1 = steps() * 0.011, steps() * 0.001
     limit = 10 / (c0 + c1 * 10)
     p = predict_point(m, 0.5 * limit, 0.5, 1, W)
     fluid = c0 / (1 - 0.5 * limit * c1)
-    assert p.latency_off_s > fluid  # the heavy-traffic wait
-    assert p.latency_off_s == pytest.approx(fluid + heavy_traffic_wait_s(0.5 * limit, limit, 10, c0 + c1 * 10, 0.0))
+    assert p.latency_off_s > fluid  # states above the mean batch, and the queue past the bound
+    assert p.latency_off_s == pytest.approx(chain_latency_s(0.5 * limit, lambda b: c0 + c1 * b, 10, limit), rel=1e-9)
     near = predict_point(m, 0.99 * limit, 0.5, 1, W)
     assert near.latency_off_s > 5 * (c0 + c1 * 10)
     over = predict(m, limit, 0.5, 1, W)
@@ -226,7 +238,10 @@ def test_moe_makes_verify_cheaper_than_dense():
     assert float(s_moe) > float(s_dense)
     p = predict_point(moe, 3.0, 0.7, 4, W)
     assert not p.overloaded_on
-    assert p.batch_on == pytest.approx(3.0 * p.latency_on_s, rel=1e-9)
+    _off, on = curves(moe, 0.7, 4, W)
+    assert p.batch_on == pytest.approx(3.0 * on.fluid_latency_s(3.0), rel=1e-9)  # B = λ·T(B)
+    # The chain's states around B: MoE's T is concave in the batch, so they average below T(B).
+    assert p.latency_on_s == pytest.approx(on.fluid_latency_s(3.0), rel=0.1)
 
 
 def test_best_draft_length_shrinks_with_load():
@@ -347,7 +362,8 @@ def test_fixed_point_holds(model, workload, alpha, gamma, frac):
         curve = on if sd == "on" else off
         b, t = float(mode.batch), curve.fluid_latency_s(rate)
         assert abs(b - rate * t) <= 1e-9 * max(b, 1e-12)  # Little's law at the fluid fixed point
-        assert float(mode.latency_s) >= t  # plus the wait from variability, never less
+        # The batch's chain averages T over the states around B: never below a request alone.
+        assert float(mode.latency_s) >= curve.latency_at_batch(0.0) * (1.0 - 1e-9)
         assert b <= curve.batch_bound * (1 + 1e-12) <= model.max_num_seqs * (1 + 1e-12)
 
 
@@ -361,11 +377,11 @@ def test_gamma_zero_speedup_is_one(model, workload, alpha, frac):
 @settings(max_examples=200, deadline=None)
 @given(models(knees=False), workloads, st.floats(0.0, 1.0), st.integers(1, 16))
 def test_speedup_never_rises_with_rate_when_sd_has_the_larger_slope(model, workload, alpha, gamma):
-    # Lines only, no prompts, no bound: T = c0/(1 − λ·c1) per mode, so S falls when c1_SD >= c1_off.
+    # Lines only, no prompts: T rises with the batch in both modes, and S falls when c1_SD >= c1_off.
     model = LatencyModel(
         target=StepCost(model.target.intercept_s, model.target.slope_s_per_token),
         draft=StepCost(model.draft.intercept_s, model.draft.slope_s_per_token),
-        max_num_seqs=BIG,
+        max_num_seqs=MAX_STATES,  # every state of the batch's chain enumerated
     )
     workload = Workload(0.0, workload.gen_tokens, 0.0)
     lim_off, lim_on = stability_limits(model, alpha, gamma, workload)
