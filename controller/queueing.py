@@ -26,6 +26,7 @@ import numpy as np
 
 MAX_STATES = 4096  # enumerated states; past them (or the bound) the queue tail in closed form
 _STATES = np.arange(0.0, MAX_STATES + 1.0)  # n = 0, 1, 2, …: sliced, never rebuilt per call
+_WEIGHTS = np.stack((np.ones_like(_STATES), _STATES))  # Σ p and Σ n·p in one product
 
 
 def cumulative_log_rates(departure_rps: np.ndarray) -> np.ndarray:
@@ -52,13 +53,13 @@ def mean_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) 
     if rate_rps >= tail_rps:
         return math.inf
     top = cum_log_rates.size - 1
-    states = _STATES[: top + 1]
-    log_p = states * math.log(rate_rps) - cum_log_rates
-    p = np.exp(log_p - log_p.max())
-    z, first = float(p.sum()), float(states @ p)
+    log_p = _STATES[: top + 1] * math.log(rate_rps)
+    log_p -= cum_log_rates
+    log_p -= log_p.max()  # the mode's weight is 1: nothing overflows
+    z, first = _WEIGHTS[:, : top + 1] @ np.exp(log_p, out=log_p)
     # Past the bound every state's weight is the last one's times r = λ/h_tail, once more.
     r = rate_rps / tail_rps
-    last = float(p[top])
+    last = float(log_p[top])
     z += last * r / (1.0 - r)
     first += last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
-    return first / z
+    return float(first / z)
