@@ -182,7 +182,7 @@ class PricingSettings(BaseModel):
         0.97,
         gt=0,
         le=1,
-        description="A state run above this fraction of its stability limit counts as overloaded when pricing. The model's latency already rises toward the limit (the heavy-traffic wait) and its limits sit within a few % of the measured ones, so this only covers that error: lower it for a model you trust less. Too low, and a busy but stable state is left by a restart under load that costs more than hours in it.",
+        description="A state run above this fraction of its stability limit counts as overloaded when pricing. The model's latency already rises toward the limit (the batch's birth–death chain) and its limits sit within a few % of the measured ones, so this only covers that error: lower it for a model you trust less. Too low, and a busy but stable state is left by a restart under load that costs more than hours in it.",
     )
     long_window_s: float = Field(
         900.0, gt=0, description="Long rate window used with the short one to project the load trend."

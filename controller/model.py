@@ -633,7 +633,8 @@ def _chain_rates(segments, ends: tuple[float, ...], bound: float) -> np.ndarray:
     others = n - 1.0
     seg = np.asarray(segments)[np.searchsorted(np.asarray(ends), others, side="left")]
     t = seg[:, 2] + others * (seg[:, 3] + others * seg[:, 4])
-    return cumulative_log_rates(n / t)
+    # A zero-cost calibration (refused by its loader) must not divide by zero here.
+    return cumulative_log_rates(n / np.maximum(t, 1e-300))
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from controller.benchmark import micro
 from controller.benchmark.probe import ProbeError, ProbeRequest, ProbeResult
 from controller.sim.gpu import LLAMA_3_2_1B
 from controller.sim.simserver import SimulatedServer
-from controller.sim.stepsim import ServerSpec, step_time_s
+from controller.sim.stepsim import AcceptanceClass, ServerSpec, step_time_s
 
 PROMPT, GEN = 512, 256
 TOLERANCE = 0.03
@@ -171,3 +171,32 @@ def test_mixed_step_is_read_off_the_trace(monkeypatch, gamma, batch, chunk):
     assert step == pytest.approx(truth, rel=TOLERANCE)
     assert step > true_step_s(s, batch, PROMPT + layout.gen_tokens / 2)  # the chunk costs something
     assert warnings == []
+
+
+def test_a_mixed_run_whose_injection_outlasts_a_decoder_is_rerun_with_longer_decoders():
+    """With SD each decoder accepts at its own rate: in a batch of 64 with widely spread
+    acceptance the luckiest finishes well before the mean the layout was sized by, and the last
+    injection lands after it. The run is repeated with longer decoders (and the row's context
+    says so) instead of failing the whole bench."""
+    s = dataclasses.replace(spec(4), acceptance={"": AcceptanceClass(0.6, concentration=4.0)})
+    batch, chunk = 64, 128
+    plan = micro.MicroPlan(
+        phases=("mixed",),
+        batch_sizes=(batch,),
+        prompt_tokens=PROMPT,
+        gen_tokens=GEN,
+        iterations=1,
+        chunk_tokens=(chunk,),
+    )
+    server = SimulatedServer(s, seed=1)
+    pilot = micro.decode_run(server, batch, PROMPT, GEN, 4)
+    single = micro.probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
+    sized = micro.mixed_layout(pilot, GEN, single.done_s - single.sent_s, plan)
+    with pytest.raises(micro.InjectionOutsideWindow, match=r"mixed B=64: a 128-token injection .*N₂ = \d+ tokens"):
+        micro.mixed_step_s(server, batch, PROMPT, chunk, sized, 4)
+
+    rows = micro.run_micro(SimulatedServer(s, seed=1), plan)
+    (row,) = [r for r in rows if r.phase == "mixed"]
+    assert row.context_len > PROMPT + sized.gen_tokens // 2  # ran with the longer decoders
+    truth = true_step_s(s, batch, row.context_len, chunk)
+    assert row.latency_s == pytest.approx(truth, rel=TOLERANCE)
