@@ -40,7 +40,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from controller.acceptance import accepted_length as _accepted_length
-from controller.queueing import MAX_STATES, cumulative_log_rates, mean_in_system
+from controller.queueing import MAX_STATES, cumulative_log_rates, mean_in_system, mean_in_system_many
 
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
@@ -537,6 +537,15 @@ class ModeCurve:
             return self.segments[0][2]  # no load: no wait
         return mean_in_system(rate_rps, self.cum_log_rates, limit) / rate_rps
 
+    def latencies_s(self, rates_rps: Sequence[float]) -> list[float]:
+        """:meth:`latency_s` at many rates, the chain summed for all of them in one pass."""
+        rates = np.asarray(rates_rps, dtype=float)
+        limit = self.stability_limit_rps
+        live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
+        n = mean_in_system_many(np.where(live, rates, 0.0), self.cum_log_rates, limit)
+        out = np.where(live, n / np.where(live, rates, 1.0), np.where(rates > 0.0, math.inf, self.segments[0][2]))
+        return out.tolist()
+
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
         """Latency if every step cost were ``cost_scale`` times larger: s·T(s·λ)."""
         return cost_scale * self.latency_s(rate_rps * cost_scale)
@@ -627,14 +636,16 @@ def mode_curve(
     return replace(curve, cum_log_rates=_chain_rates(segments, ends, bound))
 
 
+_CHAIN_N = np.arange(1.0, MAX_STATES + 1.0)  # n = 1, 2, …; sliced per curve, never rebuilt
+
+
 def _chain_rates(segments, ends: tuple[float, ...], bound: float) -> np.ndarray:
     """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1)."""
-    n = np.arange(1.0, min(math.floor(bound), MAX_STATES) + 1.0)
+    n = _CHAIN_N[: min(math.floor(bound), MAX_STATES)]
     others = n - 1.0
-    seg = np.asarray(segments)[np.searchsorted(np.asarray(ends), others, side="left")]
-    t = seg[:, 2] + others * (seg[:, 3] + others * seg[:, 4])
+    _lo, _hi, c0, c1, c2 = np.array(segments)[np.searchsorted(ends, others)].T
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
-    return cumulative_log_rates(n / np.maximum(t, 1e-300))
+    return cumulative_log_rates(n / np.maximum(c0 + others * (c1 + others * c2), 1e-300))
 
 
 # --------------------------------------------------------------------------------------------
@@ -858,7 +869,11 @@ def break_even_rates(
         return _speedup_from(off.latency_s(lam), on.latency_s(lam), mu_off, mu_on)
 
     grid = [stop * i / BREAK_EVEN_GRID for i in range(BREAK_EVEN_GRID)] + [stop * (1.0 - 1e-9)]
-    values = [speedup(lam) for lam in grid]
+    # The grid in one pass of each mode's chain (the same sums as latency_s, one row per rate).
+    values = [
+        _speedup_from(t_off, t_on, mu_off, mu_on)
+        for t_off, t_on in zip(off.latencies_s(grid), on.latencies_s(grid), strict=True)
+    ]
     result: dict[float, BreakEven] = {}
     for th in (float(t) for t in thresholds):
         if values[0] < th:

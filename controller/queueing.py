@@ -63,3 +63,20 @@ def mean_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) 
     z += last * r / (1.0 - r)
     first += last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
     return float(first / z)
+
+
+def mean_in_system_many(rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float) -> np.ndarray:
+    """:func:`mean_in_system` at many rates in one pass: the same sums, one row per rate."""
+    rates = np.asarray(rates_rps, dtype=float)
+    out = np.where(rates >= tail_rps, math.inf, 0.0)
+    ok = (rates > 0.0) & (rates < tail_rps)
+    if ok.any():
+        lam, top = rates[ok], cum_log_rates.size - 1
+        log_p = np.log(lam)[:, None] * _STATES[: top + 1] - cum_log_rates
+        log_p -= log_p.max(axis=1, keepdims=True)
+        z, first = _WEIGHTS[:, : top + 1] @ np.exp(log_p, out=log_p).T
+        r, last = lam / tail_rps, log_p[:, top]
+        z += last * r / (1.0 - r)
+        first += last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
+        out[ok] = first / z
+    return out
