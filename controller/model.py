@@ -40,7 +40,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from controller.acceptance import accepted_length as _accepted_length
-from controller.queueing import MAX_STATES, cumulative_log_rates, mean_in_system, mean_in_system_many
+from controller.queueing import MAX_STATES, cumulative_log_rates, mean_time_in_system, mean_time_in_system_many
 
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
@@ -486,7 +486,7 @@ class ModeCurve:
     steps: float
     step_tokens: float
     # Σ ln h(k), k ≤ n, n = 0..⌊bound⌋: the birth–death chain's departure rates (latency_s).
-    cum_log_rates: np.ndarray = field(default_factory=lambda: np.zeros(1), compare=False, repr=False)
+    cum_log_rates: np.ndarray = field(compare=False, repr=False)
 
     def step(self, batch: float) -> float:
         """τ(B): one decode (verify) step with B other sequences running (B ≤ the bound)."""
@@ -535,15 +535,15 @@ class ModeCurve:
             return math.inf
         if rate_rps <= 0.0:
             return self.segments[0][2]  # no load: no wait
-        return mean_in_system(rate_rps, self.cum_log_rates, limit) / rate_rps
+        return mean_time_in_system(rate_rps, self.cum_log_rates, limit)
 
     def latencies_s(self, rates_rps: Sequence[float]) -> list[float]:
         """:meth:`latency_s` at many rates, the chain summed for all of them in one pass."""
         rates = np.asarray(rates_rps, dtype=float)
         limit = self.stability_limit_rps
         live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
-        n = mean_in_system_many(np.where(live, rates, 0.0), self.cum_log_rates, limit)
-        out = np.where(live, n / np.where(live, rates, 1.0), np.where(rates > 0.0, math.inf, self.segments[0][2]))
+        t = mean_time_in_system_many(np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit)
+        out = np.where(live, t, np.where(rates > 0.0, math.inf, self.segments[0][2]))
         return out.tolist()
 
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
@@ -628,12 +628,13 @@ def mode_curve(
     g = max(float(workload.gen_tokens), 1.0)
     steps = (g - 1.0) / accepted_length
     segments, lines, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound)
-    curve = ModeCurve(segments, bound, peak_b, peak_h, lines, ends, reach, steps, k)
+    chain = _chain_rates(segments, ends, bound)
+    curve = ModeCurve(segments, bound, peak_b, peak_h, lines, ends, reach, steps, k, chain)
     if model.max_num_batched_tokens is not None and p > 0:
         limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
         if limit < peak_h:
             curve = replace(curve, stability_limit_rps=limit, peak_batch=curve.batch(limit))
-    return replace(curve, cum_log_rates=_chain_rates(segments, ends, bound))
+    return curve
 
 
 _CHAIN_N = np.arange(1.0, MAX_STATES + 1.0)  # n = 1, 2, …; sliced per curve, never rebuilt

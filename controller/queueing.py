@@ -50,33 +50,50 @@ def mean_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) 
     ``tail_rps``; +inf at or past it, 0 at no load."""
     if rate_rps <= 0.0:
         return 0.0
+    return rate_rps * mean_time_in_system(rate_rps, cum_log_rates, tail_rps)
+
+
+def mean_time_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) -> float:
+    """E[n]/λ (Little) for a rate > 0; +inf at or past ``tail_rps``.
+
+    Summed as Σ n·λⁿ⁻¹/Πh over Σ λⁿ/Πh: at a vanishing rate E[n] underflows long before the
+    latency it stands for, so the 1/λ is taken inside the sums (in log space).
+    """
     if rate_rps >= tail_rps:
         return math.inf
     top = cum_log_rates.size - 1
-    log_p = _STATES[: top + 1] * math.log(rate_rps)
-    log_p -= cum_log_rates
-    log_p -= log_p.max()  # the mode's weight is 1: nothing overflows
-    z, first = _WEIGHTS[:, : top + 1] @ np.exp(log_p, out=log_p)
-    # Past the bound every state's weight is the last one's times r = λ/h_tail, once more.
-    r = rate_rps / tail_rps
-    last = float(log_p[top])
-    z += last * r / (1.0 - r)
-    first += last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
-    return float(first / z)
+    log_rate = math.log(rate_rps)
+    log_q = _STATES[:top] * log_rate  # (n − 1)·ln λ − C[n], n = 1..top: p(n)/λ
+    log_q -= cum_log_rates[1:]
+    shift = max(float(log_q.max()) + log_rate, 0.0)  # the mode of p (n = 0 has ln p = 0)
+    log_q -= shift
+    q = np.exp(log_q, out=log_q)
+    z, first = _WEIGHTS[:, 1 : top + 1] @ q
+    return float(_with_tail(math.exp(-shift) + rate_rps * z, first, float(q[-1]), top, rate_rps, tail_rps))
 
 
-def mean_in_system_many(rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float) -> np.ndarray:
-    """:func:`mean_in_system` at many rates in one pass: the same sums, one row per rate."""
+def mean_time_in_system_many(rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float) -> np.ndarray:
+    """:func:`mean_time_in_system` at many rates > 0 in one pass: the same sums, one row per rate."""
     rates = np.asarray(rates_rps, dtype=float)
-    out = np.where(rates >= tail_rps, math.inf, 0.0)
-    ok = (rates > 0.0) & (rates < tail_rps)
+    out = np.full(rates.shape, math.inf)
+    ok = rates < tail_rps
     if ok.any():
         lam, top = rates[ok], cum_log_rates.size - 1
-        log_p = np.log(lam)[:, None] * _STATES[: top + 1] - cum_log_rates
-        log_p -= log_p.max(axis=1, keepdims=True)
-        z, first = _WEIGHTS[:, : top + 1] @ np.exp(log_p, out=log_p).T
-        r, last = lam / tail_rps, log_p[:, top]
-        z += last * r / (1.0 - r)
-        first += last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
-        out[ok] = first / z
+        log_rate = np.log(lam)
+        log_q = log_rate[:, None] * _STATES[:top] - cum_log_rates[1:]
+        shift = np.maximum(log_q.max(axis=1) + log_rate, 0.0)
+        log_q -= shift[:, None]
+        q = np.exp(log_q, out=log_q)
+        z, first = _WEIGHTS[:, 1 : top + 1] @ q.T
+        out[ok] = _with_tail(np.exp(-shift) + lam * z, first, q[:, -1], top, lam, tail_rps)
     return out
+
+
+def _with_tail(z, first, last, top: int, rate, tail_rps: float):
+    """Σ n·p/λ over Σ p with the queue past ``top`` added: there each state's weight is the one
+    before's times r = λ/h_tail. ``z`` is Σ p, ``first`` Σ n·p/λ and ``last`` p(top)/λ over the
+    states up to ``top`` (scalars, or one value per rate)."""
+    r = rate / tail_rps
+    z = z + rate * last * r / (1.0 - r)
+    first = first + last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
+    return first / z

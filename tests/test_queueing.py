@@ -109,3 +109,14 @@ def test_a_throughput_that_flattens_waits_more_than_its_fixed_point():
         lam = rho * limit
         fluid_b = lam / (1.0 - 0.05 * lam)  # B = λ(1 + 0.05·B)
         assert chain_time_in_system_s(h, lam, limit) > (1.0 + 0.05 * fluid_b) * 0.999
+
+
+@pytest.mark.parametrize("rate", [5e-324, 1e-300, 1e-12])
+def test_a_vanishing_rate_keeps_the_time_of_a_request_alone(rate):
+    # E[n] underflows long before the latency it stands for: the time is summed with 1/λ inside.
+    from controller.queueing import mean_time_in_system, mean_time_in_system_many
+
+    h = np.arange(1, 9) / (0.5 + 0.1 * np.arange(8))
+    c = cumulative_log_rates(h)
+    assert mean_time_in_system(rate, c, 100.0) == pytest.approx(0.5, rel=1e-9)
+    assert mean_time_in_system_many(np.array([rate]), c, 100.0)[0] == pytest.approx(0.5, rel=1e-9)

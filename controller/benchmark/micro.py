@@ -290,15 +290,13 @@ def _mixed_step_with_retries(
     With SD each decoder accepts at its own rate, and in a big batch the luckiest one finishes
     well before the mean the layout was sized by: N₂ grows by ``MIXED_RETRY_MARGIN`` per retry.
     """
-    for attempt in range(MIXED_RETRIES + 1):
+    for retry in range(1, MIXED_RETRIES + 1):
         try:
             return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, gamma, warn), layout
         except InjectionOutsideWindow:
-            if attempt == MIXED_RETRIES:
-                raise
-            margin = MIXED_RETRY_MARGIN ** (attempt + 1)
+            margin = MIXED_RETRY_MARGIN**retry
             layout = mixed_layout(pilot, plan.gen_tokens, single.done_s - single.sent_s, plan, margin)
-    raise AssertionError("unreachable")
+    return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, gamma, warn), layout
 
 
 def run_micro(
