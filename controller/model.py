@@ -16,7 +16,9 @@ Pure Python and numpy, no I/O. docs/model.md derives every term; in short:
   (Little), so it waits ``B·Δ(B)`` behind other prompts. Its own prompt costs one mixed step.
 * ``T(B) = (n_steps + 1.5)·τ(B) + (B + 1)·Δ(B)``: ``n_steps = (G − 1)/E[N]`` decode (verify)
   steps after the prefill step, half a step of waiting for the step in flight, and the prompt
-  terms. T is piecewise quadratic in B, so ``B = λ·T(B)`` is solved exactly, segment by segment.
+  terms. An arrival also waits for the step in flight weighted by its length (a step carrying
+  a prompt is Δ longer): ``λ·R(B)`` more, ``R = E[Δ]·(τ + q·E[Δ])/2`` (:func:`_with_wait`). At a
+  given λ, T is piecewise quadratic in B, so ``B = λ·T(B)`` is solved exactly, segment by segment.
 * The batch is bounded by ``max_num_seqs`` and by the KV cache (with SD the draft's weights and
   KV leave less). The stability limit is the highest throughput ``B/T(B)`` below that bound (or
   where the token budget starves prefill). Arrivals are Poisson, so the number of requests in
@@ -395,20 +397,44 @@ def _mode_terms(model: LatencyModel, sd: bool, draft_length: float) -> _ModeTerm
     )
 
 
+def _wait_coeffs(s0: float, s1: float, d0: float, d1: float, q: float) -> tuple[float, float, float]:
+    """R(B) = ½·Δ(B)·(τ(B) + q·Δ(B)) as (r0, r1, r2): the step in flight's time-weighted residual
+    per unit arrival rate (see :func:`_with_wait`)."""
+    return 0.5 * (s0 * d0 + q * d0 * d0), 0.5 * (s0 * d1 + s1 * d0 + 2.0 * q * d0 * d1), 0.5 * (s1 * d1 + q * d1 * d1)
+
+
+def _with_wait(x: float, r: float, batch: float) -> float:
+    """Time in system with B others when a request also waits λ·R for the step in flight.
+
+    An arrival lands in a step with probability proportional to the step's length, so it waits
+    E[S²]/(2·E[S]) for it, not half a mean step: with prompts arriving at λ, each making one step
+    Δ longer, that is τ/2 + λ·(τ·E[Δ] + E[Δ²])/2. The τ/2 is in X (PREFILL_WAIT_STEPS); the rest is
+    λ·R. At the fixed point λ = B/T, so T = X + B·R/T: the positive root of T² − X·T − B·R.
+    """
+    if r <= 0.0 or batch <= 0.0:
+        return x
+    return 0.5 * (x + math.sqrt(x * x + 4.0 * batch * r))
+
+
 def _sweep(
-    lines_at_0: tuple[float, float, float, float], hinges: list[tuple[float, float, bool]], steps: float, cap: float
+    lines_at_0: tuple[float, float, float, float],
+    hinges: list[tuple[float, float, bool]],
+    steps: float,
+    cap: float,
+    prompt_q: float = 1.0,
 ):
     """T(B) = (steps + 1.5)·τ(B) + (B + 1)·Δ(B) on [0, cap], from the lines (τ0, τ1, Δ0, Δ1) in force
     at B = 0 in one sweep over the sorted hinges (``is_step``: a hinge of τ, else of Δ), each
     switching on where its segment starts.
 
     Returns the segments (start, end, c0, c1, c2), the lines (τ0, τ1, Δ0, Δ1) of τ and Δ on each,
+    the wait coefficients (r0, r1, r2) of :func:`_wait_coeffs` on each (``prompt_q`` = E[Δ²]/E[Δ]²),
     the segments' ends (the last one +inf, for bisection), the highest throughput B/T(B) up to
     each segment's end, and the (batch, throughput) where it peaks.
     """
     m = steps + PREFILL_WAIT_STEPS
     s0, s1, d0, d1 = lines_at_0
-    segments, lines, ends, reach = [], [], [], []
+    segments, lines, waits, ends, reach = [], [], [], [], []
     best_b = best_h = top = lo = 0.0
     for at, w, is_step in (*hinges, (math.inf, 0.0, True)):
         if at > lo:  # the segment [lo, at) ends here
@@ -416,10 +442,13 @@ def _sweep(
             c0, c1, c2 = m * s0 + d0, m * s1 + d0 + d1, d1
             segments.append((lo, hi, c0, c1, c2))
             lines.append((s0, s1, d0, d1))
-            # B/T(B) on the segment peaks at its end or at √(c0/c2) inside.
+            r0, r1, r2 = wait = _wait_coeffs(s0, s1, d0, d1, prompt_q)
+            waits.append(wait)
+            # B/T(B) on the segment peaks at its end or near √(c0/c2) inside (exactly there
+            # without the wait, which is small beside X: the envelope moves the peak, not its value).
             bstar = math.sqrt(c0 / c2) if c2 > 0.0 and c0 > 0.0 else hi
             for b in (hi, bstar) if lo < bstar < hi else (hi,):
-                t = c0 + c1 * b + c2 * b * b
+                t = _with_wait(c0 + c1 * b + c2 * b * b, r0 + r1 * b + r2 * b * b, b)
                 h = b / t if t > 0 else math.inf
                 if h > best_h * (1.0 + 1e-12):
                     best_b, best_h = b, h
@@ -435,7 +464,7 @@ def _sweep(
             s0, s1 = s0 - w * at, s1 + w
         else:
             d0, d1 = d0 - w * at, d1 + w
-    return tuple(segments), tuple(lines), tuple(ends), tuple(reach), best_b, best_h
+    return tuple(segments), tuple(lines), tuple(waits), tuple(ends), tuple(reach), best_b, best_h
 
 
 def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
@@ -456,10 +485,12 @@ def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
     return best
 
 
-def _latency_at(segments, ends: tuple[float, ...], batch: float) -> float:
+def _latency_at(segments, waits, ends: tuple[float, ...], batch: float) -> float:
     """T(B) on the first segment ending at or above B (the last one past the bound)."""
-    _lo, _hi, c0, c1, c2 = segments[bisect.bisect_left(ends, batch)]
-    return c0 + c1 * batch + c2 * batch * batch
+    i = bisect.bisect_left(ends, batch)
+    _lo, _hi, c0, c1, c2 = segments[i]
+    r0, r1, r2 = waits[i]
+    return _with_wait(c0 + c1 * batch + c2 * batch * batch, r0 + r1 * batch + r2 * batch * batch, batch)
 
 
 # batch() skips the segments whose throughput stays below the rate by more than this (they hold
@@ -485,6 +516,8 @@ class ModeCurve:
     reach: tuple[float, ...]
     steps: float
     step_tokens: float
+    # The wait for the step in flight per unit rate, R(B) = r0 + r1·B + r2·B² on each segment.
+    waits: tuple[tuple[float, float, float], ...]
     # Σ ln h(k), k ≤ n, n = 0..⌊bound⌋: the birth–death chain's departure rates (latency_s).
     cum_log_rates: np.ndarray = field(compare=False, repr=False)
 
@@ -499,7 +532,7 @@ class ModeCurve:
         return d0 + d1 * batch
 
     def latency_at_batch(self, batch: float) -> float:
-        return _latency_at(self.segments, self.ends, batch)
+        return _latency_at(self.segments, self.waits, self.ends, batch)
 
     def batch(self, rate_rps: float) -> float:
         """Fluid fixed point B = λ·T(B); the bound when overloaded."""
@@ -515,11 +548,14 @@ class ModeCurve:
         segments = self.segments
         for i in range(bisect.bisect_left(self.reach, rate_rps * (1.0 - REACH_MARGIN)), len(segments)):
             lo, hi, c0, c1, c2 = segments[i]
+            r0, r1, r2 = self.waits[i]
+            # At a given λ the wait is λ·R(B): T stays quadratic in B and the root closed-form.
+            c0, c1, c2 = c0 + rate_rps * r0, c1 + rate_rps * r1, c2 + rate_rps * r2
             b = _fixed_point_on(rate_rps, c0, c1, c2)
             if b <= hi * (1.0 + 1e-12) + 1e-12 and b >= lo * (1.0 - 1e-12) - 1e-12:
                 return b, c0 + c1 * b + c2 * b * b
         b = self.batch_bound
-        return b, _latency_at(segments, self.ends, b)
+        return b, _latency_at(segments, self.waits, self.ends, b)
 
     def fluid_latency_s(self, rate_rps: float) -> float:
         if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):
@@ -627,9 +663,10 @@ def mode_curve(
         hinges.sort()
     g = max(float(workload.gen_tokens), 1.0)
     steps = (g - 1.0) / accepted_length
-    segments, lines, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound)
-    chain = _chain_rates(segments, ends, bound)
-    curve = ModeCurve(segments, bound, peak_b, peak_h, lines, ends, reach, steps, k, chain)
+    q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
+    segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
+    chain = _chain_rates(segments, lines, waits, ends, bound)
+    curve = ModeCurve(segments, bound, peak_b, peak_h, lines, ends, reach, steps, k, waits, chain)
     if model.max_num_batched_tokens is not None and p > 0:
         limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
         if limit < peak_h:
@@ -640,13 +677,32 @@ def mode_curve(
 _CHAIN_N = np.arange(1.0, MAX_STATES + 1.0)  # n = 1, 2, …; sliced per curve, never rebuilt
 
 
-def _chain_rates(segments, ends: tuple[float, ...], bound: float) -> np.ndarray:
+def _prompt_cost_q(terms: _ModeTerms, nodes: tuple[tuple[float, float], ...]) -> float:
+    """E[Δ²]/E[Δ]² of a prompt's marginal cost over the prompt-length nodes (its slope and
+    attention terms; the knees' share is small): long prompts make long steps, and the wait for
+    the step in flight weighs them by their length."""
+    slope, pairs = terms.prompt_slope, 0.5 * terms.prompt_pairs
+    costs = [(w, slope * x + pairs * x * x) for w, x in nodes]
+    if terms.prefill is not None:
+        costs = [(w, terms.prefill.scalar(x, x) - terms.prefill.intercept_s) for w, x in nodes]
+    mean = sum(w * c for w, c in costs)
+    if not mean > 0.0:
+        return 1.0
+    return sum(w * (c / mean) ** 2 for w, c in costs)  # ratios first: a tiny mean squared underflows
+
+
+def _chain_rates(segments, lines, waits, ends: tuple[float, ...], bound: float) -> np.ndarray:
     """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1)."""
     n = _CHAIN_N[: min(math.floor(bound), MAX_STATES)]
     others = n - 1.0
-    _lo, _hi, c0, c1, c2 = np.array(segments)[np.searchsorted(ends, others)].T
+    rows = np.searchsorted(ends, others)
+    _lo, _hi, c0, c1, c2 = np.array(segments)[rows].T
+    r0, r1, r2 = np.array(waits)[rows].T
+    x = c0 + others * (c1 + others * c2)
+    r = np.maximum(r0 + others * (r1 + others * r2), 0.0)
+    t = 0.5 * (x + np.sqrt(x * x + 4.0 * others * r))  # _with_wait, one row per state
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
-    return cumulative_log_rates(n / np.maximum(c0 + others * (c1 + others * c2), 1e-300))
+    return cumulative_log_rates(n / np.maximum(t, 1e-300))
 
 
 # --------------------------------------------------------------------------------------------

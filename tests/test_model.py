@@ -102,9 +102,51 @@ def test_prompt_is_priced_at_its_marginal_cost_on_a_mixed_step():
     for b in (0.0, 20.0, 150.0):
         expect = target.scalar(b + 1 + 500) - target.scalar(b + 1)
         assert off.prompt(b) == pytest.approx(expect)
-    # T(B) = 100.5·τ(B + 1) + (B + 1)·Δ(B): check at a batch on the first segment.
+    # X = 100.5·τ(B + 1) + (B + 1)·Δ(B), and the wait for the step in flight λ·R with
+    # R = Δ·(τ + Δ)/2 (one prompt length: E[Δ²] = Δ²) and λ = B/T: T = X + B·R/T.
     b = 20.0
-    assert off.latency_at_batch(b) == pytest.approx(steps() * target.scalar(b + 1) + (b + 1) * off.prompt(b))
+    tau, delta = target.scalar(b + 1), off.prompt(b)
+    x, r = steps() * tau + (b + 1) * delta, 0.5 * delta * (tau + delta)
+    t = off.latency_at_batch(b)
+    assert t == pytest.approx(x + b * r / t)
+    assert t > x
+
+
+def test_an_arrival_waits_for_the_step_in_flight_weighted_by_its_length():
+    # Steps are τ long, or τ + Δ when a prompt rides in them (λ per second). An arrival lands in a
+    # step with probability ∝ its length, so it waits E[S²]/(2E[S]) = τ/2 + λ·(τ·Δ + Δ²)/2:
+    # τ/2 is in the 1.5 steps of X, the rest is the λ·R the fixed point adds to T(B).
+    target = StepCost(0.010, 0.0001)
+    m = LatencyModel(target=target, max_num_seqs=BIG)
+    w = Workload(2000, 100, 0.0)
+    off, _ = curves(m, 0.5, 1, w)
+    lam = 3.0
+    b = off.batch(lam)
+    t = off.fluid_latency_s(lam)
+    assert b == pytest.approx(lam * t)
+    tau, delta = off.step(b), off.prompt(b)
+    assert delta == pytest.approx(0.0001 * 2000)
+    x = steps() * tau + (b + 1) * delta
+    assert t == pytest.approx(x + lam * 0.5 * delta * (tau + delta), rel=1e-9)
+    # The same in the steps' own terms: the residual of a step sequence with these lengths.
+    share_prompt = lam * delta  # of the time spent on prompt work
+    steps_per_s = (1.0 - share_prompt) / tau
+    mixed_per_s = lam
+    e_s2 = (steps_per_s - mixed_per_s) * tau**2 + mixed_per_s * (tau + delta) ** 2  # Σ S² per second, Σ S = 1
+    assert 0.5 * e_s2 == pytest.approx(0.5 * tau + lam * 0.5 * delta * (tau + delta))
+
+
+def test_spread_prompts_wait_longer_for_the_step_in_flight():
+    # The same mean prompt, lengths spread: E[Δ²] > E[Δ]², so the wait and the latency grow,
+    # while the fixed point's prompt cost (linear in P) stays.
+    m = LatencyModel(target=StepCost(0.010, 0.0001), max_num_seqs=BIG)
+    same, spread = Workload(2000, 100, 0.0), Workload(2000, 100, 0.0, 1500.0)
+    off_same, _ = curves(m, 0.5, 1, same)
+    off_spread, _ = curves(m, 0.5, 1, spread)
+    assert off_spread.prompt(0.0) == pytest.approx(off_same.prompt(0.0))
+    for lam in (1.0, 2.0, 3.0):
+        assert off_spread.latency_s(lam) > off_same.latency_s(lam)
+    assert off_spread.stability_limit_rps < off_same.stability_limit_rps
 
 
 def test_draft_prefills_every_prompt_with_sd():

@@ -6,8 +6,9 @@ was *before* the curve build was rewritten for speed (commit 9e34608 on main):
     PYTHONPATH=$PWD python -m tests.support.model_reference
 
 Rewrite it only for a deliberate change of the model's results (and say so in the commit). Last
-rewritten when the mean latency became the batch's birth–death chain (controller/queueing.py)
-in place of the fluid fixed point plus a heavy-traffic wait. The
+rewritten when an arrival's wait for the step in flight became length-weighted (E[S²]/2E[S]:
+a step that carries a prompt is Δ longer); before that, when the mean latency became the
+batch's birth–death chain (controller/queueing.py). The
 grid: the shipped calibrations and variants of them that reach every branch of the curve build
 (load-test scales and intervals, MoE, schema-1 verify/prefill fits, n-gram drafting, a small
 batch bound and token budget), workloads from empty to 4k-token prompts, rates from zero to past
