@@ -427,10 +427,25 @@ def test_speedup_never_rises_with_rate_when_sd_has_the_larger_slope(model, workl
     )
     workload = Workload(0.0, workload.gen_tokens, 0.0)
     lim_off, lim_on = stability_limits(model, alpha, gamma, workload)
-    rates = np.linspace(0.0, min(lim_off, lim_on) * (1 - 1e-9), 200)
+    # With slopes so flat that both modes reach the batch bound first, the bound sets each
+    # limit (bound / T(bound)) and SD, with fewer steps, has the larger one: plain decoding then
+    # diverges first and S rises toward it. The slope's claim is about SD saturating first.
+    assume(lim_on <= lim_off)
+    rates = np.linspace(0.0, lim_on * (1 - 1e-9), 200)
     s = predict(model, rates, alpha, gamma, workload).speedup
     assert np.all(np.isfinite(s))
     assert np.all(np.diff(s) <= 1e-9 * np.maximum(1.0, np.abs(s[:-1])))
+
+
+def test_a_bound_that_caps_both_modes_lets_sd_outlast_plain_decoding():
+    # The case the slope test sets aside: flat slopes, every state enumerated, both modes at the
+    # bound. SD (α = 1, γ = 1: half the steps) then has the larger limit, so S grows near μ_off.
+    model = LatencyModel(target=StepCost(0.046875, 1e-6), draft=StepCost(0.015625, 1e-6), max_num_seqs=MAX_STATES)
+    w = Workload(0.0, 5.0, 0.0)
+    lim_off, lim_on = stability_limits(model, 1.0, 1, w)
+    assert lim_on > lim_off
+    s = predict(model, [0.5 * lim_off, 0.999 * lim_off], 1.0, 1, w).speedup
+    assert s[1] > s[0]
 
 
 @settings(max_examples=200, deadline=None)
