@@ -397,12 +397,6 @@ def _mode_terms(model: LatencyModel, sd: bool, draft_length: float) -> _ModeTerm
     )
 
 
-def _wait_coeffs(s0: float, s1: float, d0: float, d1: float, q: float) -> tuple[float, float, float]:
-    """R(B) = ½·Δ(B)·(τ(B) + q·Δ(B)) as (r0, r1, r2): the step in flight's time-weighted residual
-    per unit arrival rate (see :func:`_with_wait`)."""
-    return 0.5 * (s0 * d0 + q * d0 * d0), 0.5 * (s0 * d1 + s1 * d0 + 2.0 * q * d0 * d1), 0.5 * (s1 * d1 + q * d1 * d1)
-
-
 def _with_wait(x: float, r: float, batch: float) -> float:
     """Time in system with B others when a request also waits λ·R for the step in flight.
 
@@ -428,7 +422,8 @@ def _sweep(
     switching on where its segment starts.
 
     Returns the segments (start, end, c0, c1, c2), the lines (τ0, τ1, Δ0, Δ1) of τ and Δ on each,
-    the wait coefficients (r0, r1, r2) of :func:`_wait_coeffs` on each (``prompt_q`` = E[Δ²]/E[Δ]²),
+    the wait coefficients (r0, r1, r2) on each: R(B) = ½·Δ(B)·(τ(B) + q·Δ(B)) of :func:`_with_wait`
+    (``prompt_q`` = q = E[Δ²]/E[Δ]²),
     the segments' ends (the last one +inf, for bisection), the highest throughput B/T(B) up to
     each segment's end, and the (batch, throughput) where it peaks.
     """
@@ -442,13 +437,18 @@ def _sweep(
             c0, c1, c2 = m * s0 + d0, m * s1 + d0 + d1, d1
             segments.append((lo, hi, c0, c1, c2))
             lines.append((s0, s1, d0, d1))
-            r0, r1, r2 = wait = _wait_coeffs(s0, s1, d0, d1, prompt_q)
-            waits.append(wait)
+            # R(B) = ½·Δ·(τ + q·Δ) expanded in B, inline: the sweep is most of a fresh curve's build.
+            qd0 = prompt_q * d0
+            r0, r1, r2 = 0.5 * d0 * (s0 + qd0), 0.5 * (s0 * d1 + s1 * d0 + 2.0 * qd0 * d1), 0.5 * d1 * (s1 + prompt_q * d1)
+            waits.append((r0, r1, r2))
             # B/T(B) on the segment peaks at its end or near √(c0/c2) inside (exactly there
             # without the wait, which is small beside X: the envelope moves the peak, not its value).
             bstar = math.sqrt(c0 / c2) if c2 > 0.0 and c0 > 0.0 else hi
             for b in (hi, bstar) if lo < bstar < hi else (hi,):
-                t = _with_wait(c0 + c1 * b + c2 * b * b, r0 + r1 * b + r2 * b * b, b)
+                t = c0 + c1 * b + c2 * b * b
+                rb = r0 + r1 * b + r2 * b * b
+                if rb > 0.0 and b > 0.0:  # _with_wait
+                    t = 0.5 * (t + math.sqrt(t * t + 4.0 * b * rb))
                 h = b / t if t > 0 else math.inf
                 if h > best_h * (1.0 + 1e-12):
                     best_b, best_h = b, h
@@ -665,7 +665,7 @@ def mode_curve(
     steps = (g - 1.0) / accepted_length
     q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
     segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
-    chain = _chain_rates(segments, lines, waits, ends, bound)
+    chain = _chain_rates(segments, waits, ends, bound)
     curve = ModeCurve(segments, bound, peak_b, peak_h, lines, ends, reach, steps, k, waits, chain)
     if model.max_num_batched_tokens is not None and p > 0:
         limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
@@ -675,6 +675,8 @@ def mode_curve(
 
 
 _CHAIN_N = np.arange(1.0, MAX_STATES + 1.0)  # n = 1, 2, …; sliced per curve, never rebuilt
+_OTHERS = _CHAIN_N - 1.0  # B = n − 1 others
+_OTHERS_4 = 4.0 * _OTHERS
 
 
 def _prompt_cost_q(terms: _ModeTerms, nodes: tuple[tuple[float, float], ...]) -> float:
@@ -691,16 +693,15 @@ def _prompt_cost_q(terms: _ModeTerms, nodes: tuple[tuple[float, float], ...]) ->
     return sum(w * (c / mean) ** 2 for w, c in costs)  # ratios first: a tiny mean squared underflows
 
 
-def _chain_rates(segments, lines, waits, ends: tuple[float, ...], bound: float) -> np.ndarray:
+def _chain_rates(segments, waits, ends: tuple[float, ...], bound: float) -> np.ndarray:
     """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1)."""
-    n = _CHAIN_N[: min(math.floor(bound), MAX_STATES)]
-    others = n - 1.0
-    rows = np.searchsorted(ends, others)
-    _lo, _hi, c0, c1, c2 = np.array(segments)[rows].T
-    r0, r1, r2 = np.array(waits)[rows].T
-    x = c0 + others * (c1 + others * c2)
-    r = np.maximum(r0 + others * (r1 + others * r2), 0.0)
-    t = 0.5 * (x + np.sqrt(x * x + 4.0 * others * r))  # _with_wait, one row per state
+    top = min(math.floor(bound), MAX_STATES)
+    n, b = _CHAIN_N[:top], _OTHERS[:top]
+    # Each state's segment: its (c0, c1, c2, r0, r1, r2), one row per state.
+    p = np.array([seg[2:] + w for seg, w in zip(segments, waits, strict=True)])[np.searchsorted(ends, b)]
+    x = p[:, 0] + b * (p[:, 1] + b * p[:, 2])
+    r = p[:, 3] + b * (p[:, 4] + b * p[:, 5])
+    t = 0.5 * (x + np.sqrt(x * x + _OTHERS_4[:top] * np.maximum(r, 0.0)))  # _with_wait, one row per state
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
     return cumulative_log_rates(n / np.maximum(t, 1e-300))
 
