@@ -90,8 +90,10 @@ def estimate_acceptance(
         if age <= settings.acceptance_max_age_s:
             rate = state.last_acceptance_rate if state.last_acceptance_rate is not None else 0.0
             return AcceptanceEstimate(rate, state.last_alpha, AcceptanceSource.LAST, age)
-    alpha = float(alpha_from_vllm_rate(settings.acceptance_prior, settings.draft_length))
-    return AcceptanceEstimate(settings.acceptance_prior, alpha, AcceptanceSource.PRIOR, math.inf)
+    # Nothing measured: the prior at the end of its spread that argues against enabling.
+    rate = max(settings.acceptance_prior - settings.enable_posterior_z * settings.acceptance_prior_sd, 0.0)
+    alpha = float(alpha_from_vllm_rate(rate, settings.draft_length))
+    return AcceptanceEstimate(rate, alpha, AcceptanceSource.PRIOR, math.inf)
 
 
 @dataclass(frozen=True)

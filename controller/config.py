@@ -93,6 +93,12 @@ class DecisionSettings(BaseModel):
         le=1,
         description="vLLM-style acceptance rate assumed when none was ever measured or the last one is too old.",
     )
+    acceptance_prior_sd: float = Field(
+        0.15,
+        ge=0,
+        le=1,
+        description="How far the prior may be off (vLLM rate). A prior is a guess and enabling SD on it is a restart into the state with less capacity, so an unmeasured acceptance is taken enable_posterior_z of these below the prior (0: the prior as is). Once SD runs, its counters replace it.",
+    )
     acceptance_max_age_s: float = Field(
         604800.0,
         gt=0,

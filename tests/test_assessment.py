@@ -14,6 +14,7 @@ from tests.support import LEGACY_CALIBRATION
 
 MODEL = load(LEGACY_CALIBRATION).latency_model()
 S = Settings(calibration_file=LEGACY_CALIBRATION)
+S0 = S.model_copy(update={"acceptance_prior_sd": 0.0})  # an unmeasured acceptance taken as the prior
 T = 1_000_000.0
 
 
@@ -27,7 +28,27 @@ def test_acceptance_measured_last_prior():
     last = estimate_acceptance(Observation(T, 1.0), state, S, 4, T)
     assert (last.source, last.alpha, last.age_s) == (AcceptanceSource.LAST, 0.7, 100)
     old = estimate_acceptance(Observation(T, 1.0), state, S, 4, T + S.acceptance_max_age_s + 1)
-    assert old.source is AcceptanceSource.PRIOR and old.rate == S.acceptance_prior
+    # Nothing measured: the prior at the end of its spread that argues against enabling.
+    assert old.source is AcceptanceSource.PRIOR
+    assert old.rate == pytest.approx(S.acceptance_prior - S.enable_posterior_z * S.acceptance_prior_sd)
+    assert old.alpha == pytest.approx(float(alpha_from_vllm_rate(old.rate, 4)))
+    exact = S.model_copy(update={"acceptance_prior_sd": 0.0})
+    assert estimate_acceptance(Observation(T, 1.0), ControllerState(), exact, 4, T).rate == exact.acceptance_prior
+    guess = S.model_copy(update={"acceptance_prior": 0.1, "acceptance_prior_sd": 0.5})
+    assert estimate_acceptance(Observation(T, 1.0), ControllerState(), guess, 4, T).rate == 0.0  # never below 0
+
+
+def test_an_unmeasured_acceptance_does_not_talk_the_controller_into_enabling():
+    # Launched with SD off, nothing has measured the drafts: the prior's pessimistic end prices
+    # the enable. With the prior taken as is (sd 0), the same quiet load looks like a clear win.
+    from controller.assessment import assess
+
+    obs = Observation(T, 2.0, mean_prompt_tokens=900.0, mean_gen_tokens=280.0)
+    as_is = assess(MODEL, S.model_copy(update={"acceptance_prior_sd": 0.0}).policy, ControllerState(), obs, False, None, T)
+    careful = assess(MODEL, S.policy, ControllerState(), obs, False, None, T)
+    assert careful.acceptance.rate < as_is.acceptance.rate
+    assert careful.predicted_speedup < as_is.predicted_speedup
+    assert careful.projected_gain_request_s < as_is.projected_gain_request_s
 
 
 def test_ngram_short_drafts_use_the_mean_drafted():
@@ -160,6 +181,7 @@ def test_drain_is_priced_at_the_full_batch_throughput():
 
 
 def test_remembered_congestion_keeps_sd_off_until_the_load_is_well_below():
+    S = S0  # the prior as is: what is under test is the memory, not the prior's pessimism
     off = ControllerState(applied_enabled=False, sd_congested_rate_rps=10.0, sd_congested_at=T - 60)
     near = assess(MODEL, S, off, Observation(T, 8.5, mean_prompt_tokens=512, mean_gen_tokens=256), False, None, T)
     assert near.projected_gain_request_s == float("-inf")  # 8.5 >= 0.8 × 10: SD counts as overloaded
