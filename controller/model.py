@@ -332,6 +332,7 @@ class _ModeTerms:
     prompt_hinges: tuple[tuple[float, float, bool], ...]  # the fixed −t(k·(B + 1)) halves: (at > 0, w, False)
     prompt_knees: tuple[tuple[float, float], ...]  # (knee tokens, slope change·k)
     prefill: StepCost | None  # schema 1: a prompt costs its stand-alone prefill instead
+    priced: tuple[StepCost, ...] = ()  # the passes that price a prompt (target, and the draft's with SD)
 
 
 def _add_pass(line: list[float], hinges: list[Hinge], cost: StepCost, mult: float, per_seq: float) -> float:
@@ -394,6 +395,7 @@ def _mode_terms(model: LatencyModel, sd: bool, draft_length: float) -> _ModeTerm
         tuple(sorted((at, w, False) for at, w in prompt_hinges)),
         tuple(knees),
         prefill,
+        tuple(priced),
     )
 
 
@@ -533,6 +535,12 @@ class ModeCurve:
 
     def latency_at_batch(self, batch: float) -> float:
         return _latency_at(self.segments, self.waits, self.ends, batch)
+
+    def wait_s(self, rate_rps: float) -> float:
+        """An arrival's mean wait for the step in flight at this rate's fixed point: τ/2 + λ·R(B)."""
+        b = self.batch(rate_rps)
+        r0, r1, r2 = self.waits[bisect.bisect_left(self.ends, b)]
+        return 0.5 * self.step(b) + rate_rps * (r0 + r1 * b + r2 * b * b)
 
     def batch(self, rate_rps: float) -> float:
         """Fluid fixed point B = λ·T(B); the bound when overloaded."""
@@ -680,13 +688,14 @@ _OTHERS_4 = 4.0 * _OTHERS
 
 
 def _prompt_cost_q(terms: _ModeTerms, nodes: tuple[tuple[float, float], ...]) -> float:
-    """E[Δ²]/E[Δ]² of a prompt's marginal cost over the prompt-length nodes (its slope and
-    attention terms; the knees' share is small): long prompts make long steps, and the wait for
+    """E[Δ²]/E[Δ]² of a prompt's marginal cost over the prompt-length nodes, on a step of one
+    sequence (its tokens, knees and attention): long prompts make long steps, and the wait for
     the step in flight weighs them by their length."""
-    slope, pairs = terms.prompt_slope, 0.5 * terms.prompt_pairs
-    costs = [(w, slope * x + pairs * x * x) for w, x in nodes]
+    k = terms.step_tokens
     if terms.prefill is not None:
         costs = [(w, terms.prefill.scalar(x, x) - terms.prefill.intercept_s) for w, x in nodes]
+    else:
+        costs = [(w, sum(c.scalar(k + x, pairs=0.5 * x * x) - c.scalar(k) for c in terms.priced)) for w, x in nodes]
     mean = sum(w * c for w, c in costs)
     if not mean > 0.0:
         return 1.0

@@ -128,6 +128,8 @@ def test_an_arrival_waits_for_the_step_in_flight_weighted_by_its_length():
     assert delta == pytest.approx(0.0001 * 2000)
     x = steps() * tau + (b + 1) * delta
     assert t == pytest.approx(x + lam * 0.5 * delta * (tau + delta), rel=1e-9)
+    assert off.wait_s(lam) == pytest.approx(0.5 * tau + lam * 0.5 * delta * (tau + delta))
+    assert off.wait_s(lam) > 0.5 * tau
     # The same in the steps' own terms: the residual of a step sequence with these lengths.
     share_prompt = lam * delta  # of the time spent on prompt work
     steps_per_s = (1.0 - share_prompt) / tau
@@ -524,3 +526,20 @@ def test_full_batch_admission_is_limited_by_the_budget():
     t_step = on.step(100)
     assert throughput_at_batch(m, 100, True, 0.5, 1, w) == pytest.approx(50 / (50 * t_step))
     assert throughput_at_batch(simple(), 100, True, 0.5, 1, w) > throughput_at_batch(m, 100, True, 0.5, 1, w)
+
+
+def test_the_wait_weighs_each_prompt_length_by_its_whole_marginal_cost():
+    # A pass whose per-token cost sits in a knee (no plain slope) plus attention: q = E[Δ²]/E[Δ]²
+    # over the prompt-length nodes must see the knee's share too, not only the attention's.
+    target = StepCost(0.010, 0.0, (1.0,), (0.0001,), pair_s=1e-9)
+    m = LatencyModel(target=target, max_num_seqs=BIG)
+    w = Workload(2000, 100, 0.0, 1200.0)
+    off, _ = curves(m, 0.5, 1, w)
+    costs = [(wt, target.scalar(1 + x, pairs=0.5 * x * x) - target.scalar(1)) for wt, x in w.prompt_nodes]
+    mean = sum(wt * c for wt, c in costs)
+    q = sum(wt * c * c for wt, c in costs) / mean**2
+    assert 1.0 < q < 2.0
+    lam = 2.0
+    b = off.batch(lam)
+    tau, delta = off.step(b), off.prompt(b)
+    assert off.wait_s(lam) == pytest.approx(0.5 * tau + lam * 0.5 * delta * (tau + q * delta), rel=1e-6)
