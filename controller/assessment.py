@@ -324,7 +324,8 @@ def assess(
                 until = (r_back - eval_rate) / fitted
             if until is not None:
                 horizon = min(horizon, max(until, settings.dwell_s))
-    if fitted is None or fitted == 0.0 or congested or not settings.price_switches:
+    if not material or congested or not settings.price_switches:
+        # A line that explains little of the last hour (its buckets' noise) forecasts nothing.
         gain = switch_gain(eval_rate, horizon, *here[1:])
     else:
         # A load that keeps rising makes staying with SD worse hour by hour (and a falling one

@@ -173,7 +173,7 @@ class PricingSettings(BaseModel):
     )
     load_age_prior: bool = Field(
         True,
-        description="When nothing forecasts how long the load lasts (no earlier days in the rate history, no steady fitted trend), weigh the gain of enabling SD, and the safety net's observed harm, by the chance the load is still there: one seen for a seconds lasts T more with probability a/(a+T) (Gott's rule), so minutes of a load vouch for little and an hour of it for most of an hour's gain. Off: the gain runs to the horizon whatever the load's age.",
+        description="When nothing forecasts how long the load lasts (no earlier days in the rate history, no steady fitted trend), weigh a switch's gain (enabling or disabling SD), and the safety net's observed harm, by the chance the load is still there: one seen for a seconds lasts T more with probability a/(a+T) (Gott's rule), so minutes of a load vouch for little and an hour of it for most of an hour's gain. Off: the gain runs to the horizon whatever the load's age.",
     )
     disable_ahead_of_rise: bool = Field(
         True,

@@ -420,11 +420,11 @@ def decide(
         gain, cost = assessment.projected_gain_request_s, assessment.switch_cost_request_s
         back = assessment.undo_cost_request_s if want_on else 0.0
         rented = gain
-        if risk and settings.load_age_prior and not assessment.horizon_forecast and want_on:
-            # Enabling is the restart into the state with less capacity: unless something
-            # forecasts the quiet load, its gain counts only as far as its age vouches for it
-            # (a load that turns catches SD, and the restart back is dear). Disabling needs no
-            # such rent: SD off is the state that survives what comes.
+        if risk and settings.load_age_prior and not assessment.horizon_forecast:
+            # Unless something forecasts the load, a switch's gain counts only as far as the
+            # load's age vouches for it, either way: a quiet load that turns catches SD with a
+            # dear restart back, and a busy one that ends leaves SD off at low load after a
+            # restart at the worst time. Leaving an overload (an infinite gain) pays no rent.
             rented = rented_gain(gain, lasted, assessment.gain_horizon_s)
         if gain > settings.switch_margin * (cost + back) and not rented > settings.switch_margin * (cost + back):
             return out(

@@ -7,6 +7,7 @@ from controller.assessment import AcceptanceSource, assess, estimate_acceptance
 from controller.calibration import load
 from controller.model import Workload, predict_point
 from controller.observation import Observation
+from controller.risk import history_fit, trend_is_material
 from controller.settings import Settings
 from controller.sim.demo_truth import truth_calibration_path
 from controller.state import ControllerState
@@ -44,7 +45,9 @@ def test_an_unmeasured_acceptance_does_not_talk_the_controller_into_enabling():
     from controller.assessment import assess
 
     obs = Observation(T, 2.0, mean_prompt_tokens=900.0, mean_gen_tokens=280.0)
-    as_is = assess(MODEL, S.model_copy(update={"acceptance_prior_sd": 0.0}).policy, ControllerState(), obs, False, None, T)
+    as_is = assess(
+        MODEL, S.model_copy(update={"acceptance_prior_sd": 0.0}).policy, ControllerState(), obs, False, None, T
+    )
     careful = assess(MODEL, S.policy, ControllerState(), obs, False, None, T)
     assert careful.acceptance.rate < as_is.acceptance.rate
     assert careful.predicted_speedup < as_is.predicted_speedup
@@ -115,6 +118,29 @@ def test_a_fitted_trend_carries_the_gain_of_disabling_along_the_load_line(slope,
     assert g_flat > 0  # SD loses at 9 req/s: switching off gains
     assert (g_trend > g_flat) is more
     assert g_trend != g_flat
+
+
+def test_a_line_that_explains_little_of_the_hour_does_not_carry_the_gain():
+    """A rise of 2 req/s an hour under its buckets' noise (±1.5 req/s, r² well under 0.8)
+    forecasts nothing: the gain is the flat load's, not the line's over four hours."""
+    model = load(truth_calibration_path()).latency_model()
+    obs = Observation(
+        T, 9.0, arrival_rate_long_rps=9.0, acceptance_rate=0.38, mean_draft_tokens=4.0,
+        mean_prompt_tokens=1000.0, mean_gen_tokens=280.0,
+    )  # fmt: skip
+    line = _history(9.0, 2.0)
+    noisy = tuple((t, r + (1.5 if k % 2 else -1.5)) for k, (t, r) in enumerate(line))
+    fit = history_fit(noisy, T)
+    assert fit is not None and fit[0] > 0 and not trend_is_material(fit, 9.0)
+    flat = ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=_history(9.0, 0.0))
+    shaky = ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=noisy)
+    g_flat = assess(model, S, flat, obs, True, 4, T).projected_gain_request_s
+    assert assess(model, S, shaky, obs, True, 4, T).projected_gain_request_s == pytest.approx(g_flat)
+    # The clean line with the same slope does move it (the previous test's rule).
+    g_line = assess(
+        model, S, ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=line), obs, True, 4, T
+    )
+    assert g_line.projected_gain_request_s != pytest.approx(g_flat)
 
 
 def test_single_replica_restart_near_saturation_costs_more_than_it_gains():

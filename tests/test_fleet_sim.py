@@ -21,6 +21,7 @@ from controller.sim.engine import Phase
 from controller.sim.fleet import Fleet
 from controller.sim.fleet_runner import run_fleet_controllers, run_fleet_static
 from controller.sim.router import Router
+from controller.sim.runner import default_settings
 from controller.sim.workload import Constant
 
 
@@ -182,8 +183,13 @@ def test_a_fleet_pushed_to_switch_at_once_moves_one_replica_per_dwell(router):
 
 def test_without_the_plan_the_slots_alone_bound_simultaneous_restarts():
     sc = scenario(12.0, 1500.0)
-    one = run_fleet_controllers(sc, truth_costs(), calibration_model(), 3, "rr", plan=False)
-    two = run_fleet_controllers(sc, truth_costs(), calibration_model(), 3, "rr", plan=False, max_unavailable=2)
+    # Every replica wants SD off from the first ticks on; without the load's age weighed (a
+    # load minutes old vouches for little), they all want it at once: what binds is the slots.
+    settings = default_settings(replicas=3, fleet_routing="none", load_age_prior=False)
+    one = run_fleet_controllers(sc, truth_costs(), calibration_model(), 3, "rr", settings, plan=False)
+    two = run_fleet_controllers(
+        sc, truth_costs(), calibration_model(), 3, "rr", settings, plan=False, max_unavailable=2
+    )
     assert one.fleet.max_unavailable_seen == 1 and one.toggles == 3
     assert "fleet_plan" not in {d.reason for ticks in one.ticks for d in ticks}  # fleet_routing none: no plan
     assert two.fleet.max_unavailable_seen == 2 and two.coordinator.max_held == 2

@@ -475,7 +475,7 @@ def test_break_even_is_where_speedup_crosses(model, workload, alpha, gamma):
             rates = np.linspace(0, lim_off * 0.999, 50)
             assert np.all(predict(model, rates, alpha, gamma, workload).speedup >= th - 1e-9)
         elif be.rate_rps > 1e-9:
-            eps = 1e-4 * be.rate_rps  # bisection stops at 1e-5 relative
+            eps = 1e-4 * be.rate_rps  # the crossing is refined to 1e-5 relative
             below = speedup_point(model, be.rate_rps - eps, alpha, gamma, workload)
             above = speedup_point(model, be.rate_rps + eps, alpha, gamma, workload)
             assert below >= th - 1e-6 and above <= th + 1e-6
@@ -543,3 +543,29 @@ def test_the_wait_weighs_each_prompt_length_by_its_whole_marginal_cost():
     b = off.batch(lam)
     tau, delta = off.step(b), off.prompt(b)
     assert off.wait_s(lam) == pytest.approx(0.5 * tau + lam * 0.5 * delta * (tau + q * delta), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("f", "lo", "hi", "root"),
+    [
+        (lambda x: 3.0 - x, 0.0, 10.0, 3.0),  # a line: one secant step lands on it
+        (lambda x: 1.0 - 1.0 / (10.0 - x), 8.0, 9.9, 9.0),  # steepening, as S falls to 0 at μ_on
+        (lambda x: math.exp(-x) - 0.5, 0.0, 40.0, math.log(2.0)),  # flat on one side: regula falsi creeps
+        (lambda x: 1.0 if x < 2.5 else -1.0, 0.0, 10.0, 2.5),  # a step: no slope to follow at all
+    ],
+)
+def test_crossing_is_bracketed_and_cheaper_than_bisection(f, lo, hi, root):
+    from controller.model import BREAK_EVEN_REL_TOL, _crossing
+
+    calls = []
+
+    def counted(x):
+        calls.append(x)
+        return f(x)
+
+    x = _crossing(counted, lo, hi, f(lo), f(hi))
+    assert abs(x - root) <= BREAK_EVEN_REL_TOL * root
+    assert all(lo < c < hi for c in calls)
+    # Bisection needs log2((hi − lo)/(tol·root)) evaluations; a smooth crossing takes fewer.
+    halvings = math.ceil(math.log2((hi - lo) / (BREAK_EVEN_REL_TOL * root)))
+    assert len(calls) <= (halvings if f(lo) != 1.0 else 2 * halvings)

@@ -518,10 +518,15 @@ def test_no_re_enable_while_the_last_acceptance_is_under_the_floor(source, rate,
         (False, 300.0, False, math.inf, True, True, Reason.SPEEDUP_HIGH),  # only SD keeps up: no rent
         (False, 300.0, False, 1000.0, False, True, Reason.SPEEDUP_HIGH),  # load_age_prior off
         (False, 1800.0, False, 150.0, True, False, Reason.SWITCH_COST),  # not even the whole gain pays
-        (True, 300.0, False, 1000.0, True, True, Reason.SPEEDUP_LOW),  # disabling pays no rent
+        # disabling alike: a busy load minutes old may end before the restart pays back
+        (True, 300.0, False, 1000.0, True, False, Reason.NOT_LASTED),
+        (True, 1800.0, False, 1000.0, True, True, Reason.SPEEDUP_LOW),
+        (True, 300.0, True, 1000.0, True, True, Reason.SPEEDUP_LOW),  # forecast
+        (True, 300.0, False, math.inf, True, True, Reason.SPEEDUP_LOW),  # leaving an overload: no rent
+        (True, 300.0, False, 1000.0, False, True, Reason.SPEEDUP_LOW),  # load_age_prior off
     ],
 )
-def test_an_unforecast_quiet_load_must_have_lasted_before_sd_is_enabled_on_it(
+def test_an_unforecast_load_must_have_lasted_before_a_switch_is_spent_on_it(
     on, lasted, forecast, gain, prior, acts, reason
 ):
     settings = RISK.model_copy(update={"load_age_prior": prior})

@@ -59,12 +59,30 @@ def test_gain(cur, new, mu_cur, mu_new, expected):
 
 
 def test_trend_projection_and_clamps():
-    # short 6 req/s over 60 s, long 4 req/s over 900 s: centres 420 s apart -> 2/420 per s.
-    assert trend_slope(6.0, 4.0, 60, 900) == pytest.approx(2 / 420)
-    assert projected_rate(6.0, 4.0, 60, 900, 210) == pytest.approx(7.0)
+    # short 6 req/s over 60 s, long 4 req/s over 900 s: centres 420 s apart -> 2/420 per s
+    # (noise_z=0: the windows' difference taken as it is).
+    assert trend_slope(6.0, 4.0, 60, 900, noise_z=0.0) == pytest.approx(2 / 420)
+    assert projected_rate(6.0, 4.0, 60, 900, 210, noise_z=0.0) == pytest.approx(7.0)
     assert projected_rate(6.0, None, 60, 900, 210) == 6.0
     assert projected_rate(1.0, 100.0, 60, 900, 10_000) == 0.0  # never negative
     assert projected_rate(1.0, 0.0, 60, 900, 10**6) == 3.0  # never beyond 2·rate + 1
+
+
+def test_trend_is_net_of_the_windows_poisson_noise():
+    # λ = 4 over the long window: sd(short − long) = (840/900)·√(4·(1/60 + 1/840)) = 0.2494.
+    sd = 840 / 900 * math.sqrt(4.0 * (1 / 60 + 1 / 840))
+    assert trend_slope(6.0, 4.0, 60, 900) == pytest.approx((2.0 - 3.0 * sd) / 420)  # TREND_NOISE_Z = 3
+    assert trend_slope(2.0, 4.0, 60, 900) == pytest.approx(-(2.0 - 3.0 * sd) / 420)  # falling alike
+    assert trend_slope(6.0, 4.0, 60, 900, noise_z=2.0) == pytest.approx((2.0 - 2.0 * sd) / 420)
+    # A steady 12 req/s whose last minute counted 13.2 (2.8 sd: it happens a few times a day):
+    # noise, no trend at all...
+    assert trend_slope(13.2, 12.0, 60, 900) == 0.0
+    assert projected_rate(13.2, 12.0, 60, 900, 900) == 13.2
+    # ...where the bare difference projected 15 minutes ahead read 15.8 req/s, past the limit
+    # of SD on the truth's chat server (14.3): a restart at a noise peak.
+    assert projected_rate(13.2, 12.0, 60, 900, 900, noise_z=0.0) == pytest.approx(15.77, abs=0.01)
+    # A step from 8 to 12 req/s a minute ago is far beyond it.
+    assert trend_slope(12.0, 8.27, 60, 900) > 0.6 * 3.73 / 420
 
 
 def test_gain_horizon():
