@@ -955,7 +955,7 @@ def break_even_rates(
             result[th] = BreakEven(th, float(mu_on), False) if mu_on <= mu_off else BreakEven(th, None, True)
             continue
         lo, hi = grid[hit - 1], grid[hit]
-        rate = _crossing(lambda lam: speedup(lam) - th, lo, hi, values[hit - 1] - th, values[hit] - th)  # noqa: B023
+        rate = _crossing(lambda lam, th=th: speedup(lam) - th, lo, hi, values[hit - 1] - th, values[hit] - th)
         result[th] = BreakEven(th, rate, False)
     return result
 
