@@ -215,7 +215,7 @@ def test_the_fleet_over_http_one_metrics_and_admin_api_per_replica_behind_the_ro
     model = calibration.load(calibration_path(EXAMPLE_CALIBRATION)).latency_model()
     sc = scenarios.load("quick").with_changes(
         arrival_rate=Constant(kind="constant", value=4.0),
-        engine={"restart_downtime_s": 1.0, "restart_jitter_s": 0.0, "drain_limit_s": 0.5, "initial_sd": False},
+        engine={"restart_downtime_s": 2.0, "restart_jitter_s": 0.0, "drain_limit_s": 0.5, "initial_sd": False},
     )
     fleet = Fleet(sc, CalibratedCosts(model), 3, Router("rr"), epoch_s=time.time())
     with SimulatedFleet(fleet) as sim:
@@ -228,13 +228,23 @@ def test_the_fleet_over_http_one_metrics_and_admin_api_per_replica_behind_the_ro
         assert r.status_code in (200, 202), r.text
         deadline = time.monotonic() + 10
         seen_down, others_up, arrived_while_down = False, True, set()
+        def phase():
+            return requests.get(sim.admin_urls[0] + "/admin/status", timeout=5).json()
+
         while time.monotonic() < deadline:
-            status = requests.get(sim.admin_urls[0] + "/admin/status", timeout=5).json()
+            status = phase()
             if status["phase"] == "restarting":
-                seen_down = True
-                arrived_while_down.add(fleet.engines[0].arrived)
-                assert requests.get(sim.metrics_urls[0], timeout=5).status_code == 503
-                others_up &= all(requests.get(u, timeout=5).status_code == 200 for u in sim.metrics_urls[1:])
+                # Bracket the reads between two status calls: on a loaded machine the restart
+                # can end between one request and the next, and only a read made while it
+                # surely lasted may be held to 503.
+                arrived = fleet.engines[0].arrived
+                code = requests.get(sim.metrics_urls[0], timeout=5).status_code
+                others = [requests.get(u, timeout=5).status_code for u in sim.metrics_urls[1:]]
+                if phase()["phase"] == "restarting":
+                    seen_down = True
+                    arrived_while_down.add(arrived)
+                    assert code == 503
+                    others_up &= all(c == 200 for c in others)
             elif seen_down and status["applied"]["enabled"]:
                 break
             time.sleep(0.1)
