@@ -38,7 +38,7 @@ LOAD_COLUMNS = (
     "mean_prompt_tokens",
     "mean_gen_tokens",
 )
-LOAD_OPTIONAL_COLUMNS = ("gen_tokens_std", "prompt_tokens_std", "saturated")
+LOAD_OPTIONAL_COLUMNS = ("gen_tokens_std", "prompt_tokens_std", "saturated", "duration_s", "warmup_s")
 DEFAULT_WARMUP = 10
 MIN_BATCH_SIZES = 3
 # A knee must have this many distinct step sizes on each side, lower the BIC by this much and
@@ -319,6 +319,8 @@ class LoadRow:
     gen_tokens_std: float | None = None
     saturated: bool | None = None  # measured: the queue kept growing (None: not recorded)
     prompt_tokens_std: float | None = None
+    duration_s: float | None = None  # the test's arrivals span [0, duration) (None: not recorded)
+    warmup_s: float = 0.0  # arrivals before this were left out of mean_e2e_s
 
 
 def _read_csv(path: Path, columns: Sequence[str]) -> tuple[list[dict[str, str]], str]:
@@ -441,6 +443,15 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
             stds[col] = _number(p, line, col, cell) if cell else None
             if (stds[col] or 0.0) < 0:
                 raise InputError(f"{p}:{line}: column {col}: {stds[col]:g} is negative")
+        window: dict[str, float | None] = {}
+        for col in ("duration_s", "warmup_s"):
+            cell = (r.get(col) or "").strip()
+            window[col] = _number(p, line, col, cell) if cell else None
+        if window["duration_s"] is not None and window["duration_s"] <= 0:
+            raise InputError(f"{p}:{line}: column duration_s: must be > 0")
+        warmup = window["warmup_s"] or 0.0
+        if warmup < 0 or (window["duration_s"] is not None and warmup >= window["duration_s"]):
+            raise InputError(f"{p}:{line}: column warmup_s: {warmup:g} must be >= 0 and below duration_s")
         saturated = None
         cell = (r.get("saturated") or "").strip().lower()
         if cell:
@@ -462,6 +473,8 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 stds["gen_tokens_std"],
                 saturated,
                 stds["prompt_tokens_std"],
+                window["duration_s"],
+                warmup,
             )
         )
     return rows, digest

@@ -42,12 +42,18 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from controller.acceptance import accepted_length as _accepted_length
-from controller.queueing import MAX_STATES, cumulative_log_rates, mean_time_in_system, mean_time_in_system_many
+from controller.queueing import (
+    MAX_STATES,
+    cumulative_log_rates,
+    mean_time_in_system,
+    mean_time_in_system_many,
+    mean_time_in_window,
+)
 
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
 # The draft-length search stops this many candidates past the best one (see best_draft_length).
-DRAFT_SEARCH_PATIENCE = 3
+DRAFT_SEARCH_PATIENCE = 2
 # Generated lengths vary; when no source measured their spread, assume what a per-token stop
 # probability gives (geometric lengths: standard deviation ≈ mean).
 DEFAULT_GEN_CV = 1.0
@@ -526,6 +532,8 @@ class ModeCurve:
     waits: tuple[tuple[float, float, float], ...]
     # Σ ln h(k), k ≤ n, n = 0..⌊bound⌋: the birth–death chain's departure rates (latency_s).
     cum_log_rates: np.ndarray = field(compare=False, repr=False)
+    # How much prompts sharing a step raise the best throughput over T(B)'s (_chain_rates).
+    sharing_gain: float = 1.0
 
     def step(self, batch: float) -> float:
         """τ(B): one decode (verify) step with B other sequences running (B ≤ the bound)."""
@@ -598,13 +606,28 @@ class ModeCurve:
         """Latency if every step cost were ``cost_scale`` times larger: s·T(s·λ)."""
         return cost_scale * self.latency_s(rate_rps * cost_scale)
 
+    def latency_in_window_s(
+        self, rate_rps: float, duration_s: float, warmup_s: float = 0.0, cost_scale: float = 1.0
+    ) -> float:
+        """What a load test of ``duration_s`` measures over its arrivals after ``warmup_s``,
+        from an empty server (queueing.mean_time_in_window); +inf where :meth:`latency_s` is.
+        Costs ``cost_scale`` times larger are the same server in time units that much longer."""
+        if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12) or rate_rps <= 0.0:
+            return self.latency_scaled_s(rate_rps, cost_scale)
+        s = cost_scale
+        return s * mean_time_in_window(
+            rate_rps * s, self.cum_log_rates, self.stability_limit_rps, duration_s / s, warmup_s / s
+        )
+
     def throughput_at_batch(self, batch: float, budget: float | None, prompt_tokens: float) -> float:
         """Requests per second completed with ``batch`` running (a backlog being drained)."""
         b = min(batch, self.batch_bound)
         if b <= 0.0:
             return 0.0
         t = self.latency_at_batch(b)
-        done = b / t if t > 0 else math.inf
+        # A drain runs the full batch and admits as many prompts per step as it finishes: they
+        # share steps as at the limit, so its throughput gains what the limit's does.
+        done = self.sharing_gain * b / t if t > 0 else math.inf
         if budget is None or prompt_tokens <= 0:
             return done
         # New prompts get only what the batch's own tokens leave of each step's budget.
@@ -677,11 +700,14 @@ def mode_curve(
     steps = (g - 1.0) / accepted_length
     q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
     segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
-    chain = _chain_rates(segments, waits, ends, bound)
-    curve = ModeCurve(segments, bound, peak_b, peak_h, lines, ends, reach, steps, k, waits, chain)
+    sharing = _sharing_hinges(terms, nodes, bound) if p > 0 else None
+    chain, gained = _chain_rates(segments, waits, ends, bound, lines, sharing)
+    # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
+    # found rises with the best state's (the chain's tail is served at the limit).
+    curve = ModeCurve(segments, bound, peak_b, peak_h * gained, lines, ends, reach, steps, k, waits, chain, gained)
     if model.max_num_batched_tokens is not None and p > 0:
         limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
-        if limit < peak_h:
+        if limit < curve.stability_limit_rps:
             curve = replace(curve, stability_limit_rps=limit, peak_batch=curve.batch(limit))
     return curve
 
@@ -706,17 +732,79 @@ def _prompt_cost_q(terms: _ModeTerms, nodes: tuple[tuple[float, float], ...]) ->
     return sum(w * (c / mean) ** 2 for w, c in costs)  # ratios first: a tiny mean squared underflows
 
 
-def _chain_rates(segments, waits, ends: tuple[float, ...], bound: float) -> np.ndarray:
-    """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1)."""
+def _sharing_hinges(
+    terms: _ModeTerms, nodes: tuple[tuple[float, float], ...], bound: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """gap(B) = E_P[Δ₁ − Δ₂]: how much less a second prompt in the same step costs than the
+    first, t(kb + x) − t(kb) − (t(kb + 2x) − t(kb + x)) with kb = k·(B + 1), as hinges
+    w·max(0, B − at) below the bound: (sorted at, Σ w and Σ w·at up to each, from "none").
+
+    Only the token term's knees make it non-zero: the line, the per-sequence term and each
+    prompt's own attention cost the second prompt what they cost the first. None without knees.
+    """
+    if not terms.prompt_knees:
+        return None
+    k, hinges = terms.step_tokens, []
+    for knee, w_knee in terms.prompt_knees:  # w_knee = δ·k: a knee's slope change per unit B
+        hinges.append((knee / k - 1.0, -w_knee))
+        for wn, x in nodes:
+            hinges += (((knee - x) / k - 1.0, 2.0 * wn * w_knee), ((knee - 2.0 * x) / k - 1.0, -wn * w_knee))
+    hinges.sort()
+    at, cum_w, cum_wat, sw, swat = [], [0.0], [0.0], 0.0, 0.0
+    for a, w in hinges:
+        if a >= bound:
+            break
+        at.append(a)
+        sw += w
+        swat += w * a
+        cum_w.append(sw)
+        cum_wat.append(swat)
+    return np.array(at), np.array(cum_w), np.array(cum_wat)
+
+
+def _chain_rates(
+    segments,
+    waits,
+    ends: tuple[float, ...],
+    bound: float,
+    lines,
+    sharing: tuple[np.ndarray, ...] | None = None,
+) -> tuple[np.ndarray, float]:
+    """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1);
+    and how much prompts sharing a step raise the best state's rate (1.0 without ``sharing``).
+
+    The prompts that arrive during a step are prefilled together in the next one. With J of
+    them (Poisson, mean μ = λ·S, S = τ/(1 − λ·Δ) the mean step with its prompts) and a step's
+    prompt cost C(J) = Δ₁ + (J − 1)·Δ₂, a prompt costs on average E[C(J)]/E[J] = Δ₁ − gap·f(μ),
+    f(μ) = 1 − (1 − e^{−μ})/μ (≈ μ/2 on a quiet server): each of the B + 1 prompts a request
+    meets costs it that much less. In state n the rate is the state's own, λ = B/T(B), so the
+    saving depends on T; one pass from the unshared T is within ~2e-5 of the fixed point (the
+    saving is a few % of T and moves μ by as little again).
+    """
     top = min(math.floor(bound), MAX_STATES)
     n, b = _CHAIN_N[:top], _OTHERS[:top]
-    # Each state's segment: its (c0, c1, c2, r0, r1, r2), one row per state.
-    p = np.array([seg[2:] + w for seg, w in zip(segments, waits, strict=True)])[np.searchsorted(ends, b)]
-    x = p[:, 0] + b * (p[:, 1] + b * p[:, 2])
-    r = p[:, 3] + b * (p[:, 4] + b * p[:, 5])
-    t = 0.5 * (x + np.sqrt(x * x + _OTHERS_4[:top] * np.maximum(r, 0.0)))  # _with_wait, one row per state
+    seg = np.searchsorted(ends, b)
+    # Each state's segment: its (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1), one row per state.
+    c0, c1, c2, r0, r1, r2, s0, s1, d0, d1 = np.array(
+        [s[2:] + w + ln for s, w, ln in zip(segments, waits, lines, strict=True)]
+    ).T[:, seg]
+    x = c0 + b * (c1 + b * c2)
+    b4r = _OTHERS_4[:top] * np.maximum(r0 + b * (r1 + b * r2), 0.0)
+    t = 0.5 * (x + np.sqrt(x * x + b4r))  # _with_wait, one row per state
+    gained = 1.0
+    if sharing is not None:
+        at, cum_w, cum_wat = sharing
+        i = np.searchsorted(at, b)
+        lam = b / t
+        lam[0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
+        # The step with its prompts; past a full step of prompts the budget limit holds.
+        mu = lam * (s0 + s1 * b) / np.maximum(1.0 - lam * (d0 + d1 * b), 0.05)
+        x -= (b * cum_w[i] - cum_wat[i]) * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
+        plain = (n / t).max()
+        t = 0.5 * (x + np.sqrt(x * x + b4r))
+        gained = float((n / t).max() / plain)
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
-    return cumulative_log_rates(n / np.maximum(t, 1e-300))
+    return cumulative_log_rates(n / np.maximum(t, 1e-300)), gained
 
 
 # --------------------------------------------------------------------------------------------

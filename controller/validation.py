@@ -10,6 +10,7 @@ measured and predicted stability limits and break-even rates are.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import defaultdict
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from controller.acceptance import alpha_from_vllm_rate
 from controller.calibration import LoadRow
-from controller.model import LatencyModel, Workload, break_even_rates, curves, predict_point
+from controller.model import INTERVAL_Z, LatencyModel, Workload, break_even_rates, curves, predict_point
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class RowCheck:
     predicted_lo_s: float
     predicted_hi_s: float
     error: float | None  # (predicted − measured) / measured; None when either side saturated
+    # The model's stationary mean; predicted_s is what a test of the row's duration sees, when
+    # the row records it (LoadRow.duration_s), else the same.
+    stationary_s: float = math.inf
 
     @property
     def mode(self) -> str:
@@ -97,15 +101,25 @@ def _workload(row: LoadRow) -> Workload:
 
 def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
     gamma = row.draft_length if row.sd else 1
-    p = predict_point(model, row.rate, _alpha(row) if row.sd else 0.5, gamma, _workload(row))
+    alpha = _alpha(row) if row.sd else 0.5
+    p = predict_point(model, row.rate, alpha, gamma, _workload(row))
     if row.sd:
         pred, lo, hi = p.latency_on_s, p.latency_on_lo_s, p.latency_on_hi_s
     else:
         pred, lo, hi = p.latency_off_s, p.latency_off_lo_s, p.latency_off_hi_s
+    stationary = pred
+    if row.duration_s is not None and math.isfinite(pred) and row.rate > 0:
+        # The test ran for a while from an empty server: compare it with what such a test
+        # sees (near the limit the stationary mean is hours away), at the same interval.
+        curve = curves(model, alpha, gamma, _workload(row))[1 if row.sd else 0]
+        window = functools.partial(curve.latency_in_window_s, row.rate, row.duration_s, row.warmup_s)
+        spread = INTERVAL_Z * (model.relative_sd_on if row.sd else model.relative_sd_off)
+        pred = window()
+        lo, hi = window(cost_scale=max(1.0 - spread, 0.05)), window(cost_scale=1.0 + spread)
     error = None
     if not row.saturated and math.isfinite(pred) and row.mean_e2e_s > 0:
         error = (pred - row.mean_e2e_s) / row.mean_e2e_s
-    return RowCheck(row, pred, lo, hi, error)
+    return RowCheck(row, pred, lo, hi, error, stationary)
 
 
 def _curve_key(row: LoadRow) -> tuple[bool, int]:

@@ -545,6 +545,64 @@ def test_the_wait_weighs_each_prompt_length_by_its_whole_marginal_cost():
     assert off.wait_s(lam) == pytest.approx(0.5 * tau + lam * 0.5 * delta * (tau + q * delta), rel=1e-6)
 
 
+def _shared_prompt_cost(mu: float, first: float, second: float) -> float:
+    """E[C(J)]/E[J] for J ~ Poisson(μ) prompts in a step, C(j) = first + (j − 1)·second: the sum."""
+    total, pj = 0.0, math.exp(-mu)
+    for j in range(1, 400):
+        pj *= mu / j
+        total += pj * (first + (j - 1) * second)
+    return total / mu
+
+
+@pytest.mark.parametrize(
+    ("delta_past_knee", "bound", "states"), [(-0.0008, 50, (1, 10, 40)), (0.0008, 200, (1, 5, 10))]
+)
+def test_prompts_that_share_a_step_cost_what_a_poisson_count_of_them_averages(delta_past_knee, bound, states):
+    # Past 64 tokens a pass costs 0.2 (concave) or 1.8 (convex) ms/token instead of 1: a second
+    # 500-token prompt in the step costs less (more) than the first. The prompts arriving during a
+    # step are J ~ Poisson(λ·S), S = τ/(1 − λ·Δ̄) the step with its prompts; every prompt a request
+    # meets costs E[C(J)]/E[J], and the chain's T(B) is that fixed point at λ = B/T.
+    target = StepCost(0.010, 0.001, (64.0,), (delta_past_knee,))
+    m = LatencyModel(target=target, max_num_seqs=bound)
+    off, _ = curves(m, 0.5, 1, Workload(500, 100, 0.0, 0.0))
+    h = np.exp(np.diff(off.cum_log_rates))  # h(n) = n / T(n − 1), n = 1..bound (while it rises)
+    for b in states:
+        tau, delta = off.step(b), off.prompt(b)
+        kb = b + 1.0
+        first = target.scalar(kb + 500) - target.scalar(kb)
+        second = target.scalar(kb + 1000) - target.scalar(kb + 500)
+        assert delta == pytest.approx(first)
+        x, r = steps() * tau + (b + 1) * delta, 0.5 * delta * (tau + delta)
+        t = plain = off.latency_at_batch(b)
+        for _ in range(200):
+            lam = b / t
+            shared = delta
+            for _ in range(50):  # S depends on the shared cost: its own fixed point
+                shared = _shared_prompt_cost(lam * tau / (1.0 - lam * shared), first, second)
+            t = 0.5 * ((x - (b + 1) * (delta - shared)) + math.sqrt((x - (b + 1) * (delta - shared)) ** 2 + 4 * b * r))
+        assert (b + 1) / h[b] == pytest.approx(t, rel=1e-4)
+        if abs(first - second) > 1e-9:  # past the knee both cost the same: no gap
+            assert (t < plain) == (delta_past_knee < 0)
+    # The limit moves with the best state's rate; a drain at the full batch gains as much.
+    assert (off.sharing_gain > 1.0) == (delta_past_knee < 0)
+    grid = np.linspace(1.0, bound, 4000)
+    plain_peak = max(g / off.latency_at_batch(g) for g in grid)
+    assert off.stability_limit_rps == pytest.approx(plain_peak * off.sharing_gain, rel=1e-3)
+    full = off.throughput_at_batch(bound, None, 500)
+    assert full == pytest.approx(off.sharing_gain * bound / off.latency_at_batch(bound))
+
+
+def test_prompts_share_nothing_where_every_token_costs_the_same():
+    # No knee: a second prompt costs what the first does; the chain is T(B) itself.
+    m = LatencyModel(target=StepCost(0.010, 0.001), max_num_seqs=200)
+    off, _ = curves(m, 0.5, 1, Workload(500, 100, 0.0, 300.0))
+    h = np.exp(np.diff(off.cum_log_rates))
+    n = np.arange(1.0, 201.0)
+    want = n / np.array([off.latency_at_batch(b) for b in n - 1.0])
+    assert off.sharing_gain == 1.0
+    np.testing.assert_allclose(h, np.maximum.accumulate(want), rtol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("f", "lo", "hi", "root"),
     [

@@ -32,6 +32,7 @@ LOAD_COLUMNS = (
     "mean_e2e_second_half_s",
     "saturated",
     "workload",
+    "warmup_s",
 )
 
 
@@ -71,6 +72,7 @@ class LoadRow:
     mean_e2e_second_half_s: float
     saturated: bool
     workload: str
+    warmup_s: float = 0.0  # arrivals before this are left out of the means (validate replays it)
 
 
 def _render(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -125,6 +127,7 @@ def load_csv(rows: Sequence[LoadRow]) -> str:
                 f"{r.mean_e2e_second_half_s:.6f}",
                 1 if r.saturated else 0,
                 r.workload,
+                f"{r.warmup_s:g}",
             )
             for r in rows
         ],

@@ -130,6 +130,7 @@ def summarize(
         mean_e2e_second_half_s=second_mean,
         saturated=completed < len(results) or growing,
         workload=plan.workload,
+        warmup_s=warm_s,
     )
 
 

@@ -6,8 +6,10 @@ was *before* the curve build was rewritten for speed (commit 9e34608 on main):
     PYTHONPATH=$PWD python -m tests.support.model_reference
 
 Rewrite it only for a deliberate change of the model's results (and say so in the commit). Last
-rewritten when an arrival's wait for the step in flight became length-weighted (E[S²]/2E[S]:
-a step that carries a prompt is Δ longer); before that, when the mean latency became the
+rewritten when prompts arriving during one step came to share the next (the chain's states
+price each prompt at the Poisson mean of a shared step's cost; the limit and the drain rise with
+them); before that, when an arrival's wait for the step in flight became length-weighted
+(E[S²]/2E[S]: a step that carries a prompt is Δ longer), and when the mean latency became the
 batch's birth–death chain (controller/queueing.py). The
 grid: the shipped calibrations and variants of them that reach every branch of the curve build
 (load-test scales and intervals, MoE, schema-1 verify/prefill fits, n-gram drafting, a small
