@@ -118,8 +118,8 @@ def mean_time_in_window(
     than the stationary mean (+inf at the limit, finite in any test).
 
     The chain's law is stepped forward on its uniformized grid (steps of 1/Λ, Λ = λ + the
-    fastest departure rate kept: the law stays a probability; the error is O(1/(Λ·duration)),
-    2e-5 relative on M/M/∞ over 60 s), the queue past the bound served at
+    fastest departure rate kept: the law stays a probability; the error is O(1/(Λ·window)),
+    3e-5 relative on M/M/∞ over 60 s, 7e-4 over 5 s), the queue past the bound served at
     ``tail_rps``. Started empty, a birth–death chain stays stochastically below its stationary
     law, so the states are cut where that law's weight is negligible, or where the queue cannot
     reach within the test. The arrivals of [0, x) spend ``∫₀ˣ E[n] dt + E[W(n(x))]`` in the

@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from controller.queueing import cumulative_log_rates, mean_in_system
+from controller import queueing
+from controller.queueing import cumulative_log_rates, mean_in_system, mean_time_in_system, mean_time_in_window
 
 
 def erlang_c_time_in_system_s(servers: int, rate_rps: float, service_s: float) -> float:
@@ -120,3 +121,64 @@ def test_a_vanishing_rate_keeps_the_time_of_a_request_alone(rate):
     c = cumulative_log_rates(h)
     assert mean_time_in_system(rate, c, 100.0) == pytest.approx(0.5, rel=1e-9)
     assert mean_time_in_system_many(np.array([rate]), c, 100.0)[0] == pytest.approx(0.5, rel=1e-9)
+
+
+# ------------------------------------------------------------------------------ a finite test
+@pytest.mark.parametrize(("duration_s", "warmup_s"), [(60.0, 0.0), (60.0, 6.0), (20.0, 15.0)])
+def test_a_window_of_independent_servers_sees_their_service_time(duration_s, warmup_s, monkeypatch):
+    # M/M/∞: no one waits for anyone, so every arrival of any window stays 1/μ, filling or not.
+    monkeypatch.setattr(queueing, "WINDOW_RELAXATIONS", math.inf)
+    monkeypatch.setattr(queueing, "WARMUP_RELAXATIONS", math.inf)
+    cum = cumulative_log_rates(0.5 * np.arange(1.0, 400.0))
+    assert mean_time_in_window(20.0, cum, 1e9, duration_s, warmup_s) == pytest.approx(2.0, rel=1e-3)  # O(1/(Λ·window))
+
+
+def _fifo_window_mean_s(
+    rate: float, service_rate: float, duration_s: float, warmup_s: float, reps: int
+) -> tuple[float, float]:
+    """Monte Carlo of an M/M/1 FIFO queue started empty (Lindley): the mean sojourn of the
+    arrivals in [warmup, duration), and its standard error over ``reps`` replications."""
+    rng = np.random.default_rng(7)
+    means = []
+    for _ in range(reps):
+        gaps = rng.exponential(1.0 / rate, int(rate * duration_s * 2) + 100)
+        arrive = np.cumsum(gaps)
+        arrive = arrive[arrive < duration_s]
+        service = rng.exponential(1.0 / service_rate, arrive.size)
+        wait, sojourn = 0.0, np.empty(arrive.size)
+        for k in range(arrive.size):
+            if k:
+                wait = max(0.0, wait + service[k - 1] - (arrive[k] - arrive[k - 1]))
+            sojourn[k] = wait + service[k]
+        means.append(float(sojourn[arrive >= warmup_s].mean()))
+    return float(np.mean(means)), float(np.std(means) / math.sqrt(reps))
+
+
+def test_a_test_shorter_than_the_queue_relaxes_sees_far_less_than_the_stationary_mean():
+    # M/M/1 at ρ = 0.99 relaxes over ~1/(μ·(1 − √ρ)²) ≈ 4000 s: a 300 s test from an empty server
+    # measures well under the stationary 10 s, and (FIFO: later arrivals never slow earlier ones)
+    # exactly what its arrivals after the warm-up spend, by simulation.
+    cum = cumulative_log_rates(np.full(60, 10.0))
+    window = mean_time_in_window(9.9, cum, 10.0, 300.0, 30.0)
+    assert window < 0.5 * mean_time_in_system(9.9, cum, 10.0)
+    sim, se = _fifo_window_mean_s(9.9, 10.0, 300.0, 30.0, reps=300)
+    assert abs(window - sim) < 3.5 * se + 0.005 * sim, (window, sim, se)
+
+
+def test_a_long_test_measures_the_stationary_mean(monkeypatch):
+    # Past 1000 relaxation times (or a warm-up of 10) the window is the stationary mean, by the
+    # shortcut; stepping the chain instead lands within a fraction of a per cent of it.
+    cum = cumulative_log_rates(np.full(200, 10.0))
+    stationary = mean_time_in_system(5.0, cum, 10.0)
+    assert mean_time_in_window(5.0, cum, 10.0, 1800.0, 180.0) == stationary
+    monkeypatch.setattr(queueing, "WINDOW_RELAXATIONS", math.inf)
+    monkeypatch.setattr(queueing, "WARMUP_RELAXATIONS", math.inf)
+    assert mean_time_in_window(5.0, cum, 10.0, 1800.0, 180.0) == pytest.approx(stationary, rel=1e-4)
+    assert mean_time_in_window(5.0, cum, 10.0, 1800.0, 0.0) == pytest.approx(stationary, rel=2e-3)
+    assert mean_time_in_window(5.0, cum, 10.0, 1800.0, 0.0) < stationary  # the first arrivals find it empty
+
+
+@pytest.mark.parametrize(("rate", "duration_s", "warmup_s"), [(0.0, 10.0, 0.0), (1.0, 10.0, 10.0), (1.0, 10.0, -1.0)])
+def test_a_window_refuses_what_is_no_window(rate, duration_s, warmup_s):
+    with pytest.raises(ValueError, match="window"):
+        mean_time_in_window(rate, cumulative_log_rates(np.full(10, 5.0)), 5.0, duration_s, warmup_s)

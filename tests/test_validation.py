@@ -398,6 +398,9 @@ def test_cli_table_output(monkeypatch, capsys, calibration_file, load_csv):
         (2, {"sd": "maybe"}, "column sd"),
         (4, {"saturated": "perhaps"}, "column saturated"),
         (3, {"acceptance_rate": "1.5", "sd": "on", "draft_length": 4}, "acceptance_rate"),
+        (2, {"duration_s": "0"}, "column duration_s"),
+        (3, {"duration_s": "600", "warmup_s": "600"}, "column warmup_s"),
+        (4, {"duration_s": "600", "warmup_s": "soon"}, "column warmup_s"),
     ],
 )
 def test_cli_bad_csv_exits_2_with_one_line_naming_file_and_line(
@@ -428,3 +431,34 @@ def test_rowcheck_is_a_value():
     assert isinstance(c, RowCheck)
     with pytest.raises(AttributeError):
         c.error = 0.0  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------------
+# A test of finite length
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_run_that_records_its_length_is_compared_with_what_such_a_test_sees():
+    # Near the limit the stationary mean is hours of queueing away; a 600 s test started empty
+    # sees less, and validate predicts that. Far from it the two agree.
+    from dataclasses import replace
+
+    off, _ = curves(MODEL, ALPHA, GAMMA, WORKLOAD)
+    near = 0.995 * off.stability_limit_rps
+    quiet = replace(row(1.0, False, 1.0), duration_s=600.0, warmup_s=60.0)
+    busy = replace(row(near, False, 1.0), duration_s=600.0, warmup_s=60.0)
+    report = validate(MODEL, [quiet, busy, row(near, False, 1.0)])
+    q, b, plain = report.rows
+    assert q.predicted_s == pytest.approx(q.stationary_s, rel=1e-3)
+    assert plain.predicted_s == plain.stationary_s == pytest.approx(off.latency_s(near))
+    assert b.stationary_s == plain.predicted_s
+    assert b.predicted_s < 0.9 * b.stationary_s
+    assert b.predicted_s == pytest.approx(off.latency_in_window_s(near, 600.0, 60.0))
+    assert b.predicted_lo_s <= b.predicted_s <= b.predicted_hi_s
+
+
+def test_the_window_columns_are_read_from_the_csv(tmp_path):
+    rows = [{**csv_row(1.0, False, 1.0), "duration_s": 600, "warmup_s": 60}, csv_row(2.0, False, 1.0)]
+    parsed, _ = cal_mod.read_load_csv(write_load_csv(tmp_path / "load.csv", rows))
+    assert (parsed[0].duration_s, parsed[0].warmup_s) == (600.0, 60.0)
+    assert (parsed[1].duration_s, parsed[1].warmup_s) == (None, 0.0)
