@@ -228,6 +228,7 @@ def test_the_fleet_over_http_one_metrics_and_admin_api_per_replica_behind_the_ro
         assert r.status_code in (200, 202), r.text
         deadline = time.monotonic() + 10
         seen_down, others_up, arrived_while_down = False, True, set()
+
         def phase():
             return requests.get(sim.admin_urls[0] + "/admin/status", timeout=5).json()
 
