@@ -33,7 +33,7 @@ class RowCheck:
     error: float | None  # (predicted − measured) / measured; None when either side saturated
     # The model's stationary mean; predicted_s is what a test of the row's duration sees, when
     # the row records it (LoadRow.duration_s), else the same.
-    stationary_s: float = math.inf
+    stationary_s: float
 
     @property
     def mode(self) -> str:

@@ -455,6 +455,14 @@ def test_a_run_that_records_its_length_is_compared_with_what_such_a_test_sees():
     assert b.predicted_s < 0.9 * b.stationary_s
     assert b.predicted_s == pytest.approx(off.latency_in_window_s(near, 600.0, 60.0))
     assert b.predicted_lo_s <= b.predicted_s <= b.predicted_hi_s
+    from controller.commands.validate import to_dict
+
+    row_json = to_dict(report)["rows"][1]
+    assert (row_json["predicted_s"], row_json["stationary_s"], row_json["duration_s"]) == (
+        b.predicted_s,
+        b.stationary_s,
+        600.0,
+    )
 
 
 def test_the_window_columns_are_read_from_the_csv(tmp_path):

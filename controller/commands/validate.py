@@ -45,6 +45,8 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 "measured_s": c.row.mean_e2e_s,
                 "measured_saturated": c.measured_saturated,
                 "predicted_s": finite_or_none(c.predicted_s),
+                "stationary_s": finite_or_none(c.stationary_s),
+                "duration_s": c.row.duration_s,
                 "predicted_interval_s": [finite_or_none(c.predicted_lo_s), finite_or_none(c.predicted_hi_s)],
                 "predicted_overloaded": c.predicted_overloaded,
                 "error": c.error,
