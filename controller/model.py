@@ -737,29 +737,35 @@ def _sharing_hinges(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """gap(B) = E_P[Δ₁ − Δ₂]: how much less a second prompt in the same step costs than the
     first, t(kb + x) − t(kb) − (t(kb + 2x) − t(kb + x)) with kb = k·(B + 1), as hinges
-    w·max(0, B − at) below the bound: (sorted at, Σ w and Σ w·at up to each, from "none").
+    w·max(0, B − at) below the bound: (sorted at, Σ w and Σ w·at up to each, from "none"), so
+    gap(B) = B·Σw − Σw·at over the hinges at or below B.
 
     Only the token term's knees make it non-zero: the line, the per-sequence term and each
     prompt's own attention cost the second prompt what they cost the first. None without knees.
     """
     if not terms.prompt_knees:
         return None
-    k, hinges = terms.step_tokens, []
+    # A hinge at or below 0 is on for every B: it folds into the line g0 + g1·B (the entry for
+    # "no hinge on"); one at or past the bound never switches on.
+    k, g0, g1, hinges = terms.step_tokens, 0.0, 0.0, []
     for knee, w_knee in terms.prompt_knees:  # w_knee = δ·k: a knee's slope change per unit B
-        hinges.append((knee / k - 1.0, -w_knee))
-        for wn, x in nodes:
-            hinges += (((knee - x) / k - 1.0, 2.0 * wn * w_knee), ((knee - 2.0 * x) / k - 1.0, -wn * w_knee))
+        for at, w in (
+            (knee / k - 1.0, -w_knee),
+            *(((knee - x) / k - 1.0, 2.0 * wn * w_knee) for wn, x in nodes),
+            *(((knee - 2.0 * x) / k - 1.0, -wn * w_knee) for wn, x in nodes),
+        ):
+            if at <= 0.0:
+                g0 -= w * at
+                g1 += w
+            elif at < bound:
+                hinges.append((at, w))
     hinges.sort()
-    at, cum_w, cum_wat, sw, swat = [], [0.0], [0.0], 0.0, 0.0
+    at_list, cum_w, cum_wat = [], [g1], [-g0]
     for a, w in hinges:
-        if a >= bound:
-            break
-        at.append(a)
-        sw += w
-        swat += w * a
-        cum_w.append(sw)
-        cum_wat.append(swat)
-    return np.array(at), np.array(cum_w), np.array(cum_wat)
+        at_list.append(a)
+        cum_w.append(cum_w[-1] + w)
+        cum_wat.append(cum_wat[-1] + w * a)
+    return np.array(at_list), np.array(cum_w), np.array(cum_wat)
 
 
 def _chain_rates(
