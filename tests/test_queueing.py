@@ -178,6 +178,13 @@ def test_a_long_test_measures_the_stationary_mean(monkeypatch):
     assert mean_time_in_window(5.0, cum, 10.0, 1800.0, 0.0) < stationary  # the first arrivals find it empty
 
 
+def test_a_window_past_the_step_budget_is_taken_as_stationary():
+    # Four hours at 99 req/s near a 100 req/s limit would take 2.9 M steps: the stationary mean.
+    cum = cumulative_log_rates(np.full(50, 100.0))
+    assert math.ceil(4 * 3600.0 * 199.0) > queueing.MAX_WINDOW_STEPS
+    assert mean_time_in_window(99.0, cum, 100.0, 4 * 3600.0) == mean_time_in_system(99.0, cum, 100.0)
+
+
 @pytest.mark.parametrize(("rate", "duration_s", "warmup_s"), [(0.0, 10.0, 0.0), (1.0, 10.0, 10.0), (1.0, 10.0, -1.0)])
 def test_a_window_refuses_what_is_no_window(rate, duration_s, warmup_s):
     with pytest.raises(ValueError, match="window"):
