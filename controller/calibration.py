@@ -437,20 +437,18 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
             raise InputError(f"{p}:{line}: column draft_length: must be >= 1 when sd is on")
         if vals["mean_gen_tokens"] <= 0:
             raise InputError(f"{p}:{line}: column mean_gen_tokens: must be > 0")
-        stds: dict[str, float | None] = {}
+        opt: dict[str, float | None] = {}  # the optional numeric columns: None when empty
+        for col in ("gen_tokens_std", "prompt_tokens_std", "duration_s", "warmup_s"):
+            cell = (r.get(col) or "").strip()
+            opt[col] = _number(p, line, col, cell) if cell else None
         for col in ("gen_tokens_std", "prompt_tokens_std"):
-            cell = (r.get(col) or "").strip()
-            stds[col] = _number(p, line, col, cell) if cell else None
-            if (stds[col] or 0.0) < 0:
-                raise InputError(f"{p}:{line}: column {col}: {stds[col]:g} is negative")
-        window: dict[str, float | None] = {}
-        for col in ("duration_s", "warmup_s"):
-            cell = (r.get(col) or "").strip()
-            window[col] = _number(p, line, col, cell) if cell else None
-        if window["duration_s"] is not None and window["duration_s"] <= 0:
+            if (opt[col] or 0.0) < 0:
+                raise InputError(f"{p}:{line}: column {col}: {opt[col]:g} is negative")
+        duration = opt["duration_s"]
+        if duration is not None and duration <= 0:
             raise InputError(f"{p}:{line}: column duration_s: must be > 0")
-        warmup = window["warmup_s"] or 0.0
-        if warmup < 0 or (window["duration_s"] is not None and warmup >= window["duration_s"]):
+        warmup = opt["warmup_s"] or 0.0
+        if warmup < 0 or (duration is not None and warmup >= duration):
             raise InputError(f"{p}:{line}: column warmup_s: {warmup:g} must be >= 0 and below duration_s")
         saturated = None
         cell = (r.get("saturated") or "").strip().lower()
@@ -470,10 +468,10 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 vals["mean_prompt_tokens"],
                 vals["mean_gen_tokens"],
                 line,
-                stds["gen_tokens_std"],
+                opt["gen_tokens_std"],
                 saturated,
-                stds["prompt_tokens_std"],
-                window["duration_s"],
+                opt["prompt_tokens_std"],
+                duration,
                 warmup,
             )
         )

@@ -884,6 +884,11 @@ class PointPrediction:
         return math.isinf(self.latency_on_s)
 
 
+def interval_scales(spread: float) -> tuple[float, float]:
+    """The cost scales at the ends of a prediction interval of relative half-width ``spread``."""
+    return max(1.0 - spread, 0.05), 1.0 + spread
+
+
 def predict_point(
     model: LatencyModel,
     rate_rps: float,
@@ -900,8 +905,8 @@ def predict_point(
     t_off, t_on = off.latency_s(rate_rps), on.latency_s(rate_rps)
     s_off = INTERVAL_Z * model.relative_sd_off
     s_on = INTERVAL_Z * model.relative_sd_on if draft_length > 0 else s_off
-    off_lo, off_hi = off.latency_scaled_s(rate_rps, max(1.0 - s_off, 0.05)), off.latency_scaled_s(rate_rps, 1.0 + s_off)
-    on_lo, on_hi = on.latency_scaled_s(rate_rps, max(1.0 - s_on, 0.05)), on.latency_scaled_s(rate_rps, 1.0 + s_on)
+    off_lo, off_hi = (off.latency_scaled_s(rate_rps, c) for c in interval_scales(s_off))
+    on_lo, on_hi = (on.latency_scaled_s(rate_rps, c) for c in interval_scales(s_on))
     mu_off, mu_on = off.stability_limit_rps, on.stability_limit_rps
     return PointPrediction(
         float(rate_rps),

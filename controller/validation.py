@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 from controller.acceptance import alpha_from_vllm_rate
 from controller.calibration import LoadRow
-from controller.model import INTERVAL_Z, LatencyModel, Workload, break_even_rates, curves, predict_point
+from controller.model import (
+    INTERVAL_Z,
+    LatencyModel,
+    Workload,
+    break_even_rates,
+    curves,
+    interval_scales,
+    predict_point,
+)
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,7 @@ def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
         window = functools.partial(curve.latency_in_window_s, row.rate, row.duration_s, row.warmup_s)
         spread = INTERVAL_Z * (model.relative_sd_on if row.sd else model.relative_sd_off)
         pred = window()
-        lo, hi = window(cost_scale=max(1.0 - spread, 0.05)), window(cost_scale=1.0 + spread)
+        lo, hi = (window(cost_scale=c) for c in interval_scales(spread))
     error = None
     if not row.saturated and math.isfinite(pred) and row.mean_e2e_s > 0:
         error = (pred - row.mean_e2e_s) / row.mean_e2e_s
