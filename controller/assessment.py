@@ -192,8 +192,14 @@ def assess(
         since_change = now - state.last_change_at if state.last_change_at is not None else math.inf
         peak = (obs.arrival_rate_peak_rps or 0.0) if since_change >= settings.long_window_s else 0.0
         eval_rate = max(trend_rate, ahead, peak)
+        # Whether a state is overloaded (an infinite gain for leaving it, which neither the
+        # load's age nor the restart's price can hold back) is judged on the load that lasts:
+        # the quarter hour's rate, the forecast or a rise beyond the windows' noise. The
+        # noisiest minute of a steady 13.5 req/s passes 98 % of a 14.6 req/s limit every
+        # quarter hour, and a restart on it is a loss whenever the load ends within the hour.
+        sustained = max(obs.arrival_rate_long_rps or rate, soon, ahead if ahead > rate else 0.0)
     else:
-        eval_rate = trend_rate = rate
+        eval_rate = trend_rate = sustained = rate
     best = best_draft_length(model, eval_rate, acc.alpha, workload, settings.draft_length_candidates)
     gamma_on = (
         applied_draft_length
@@ -236,7 +242,15 @@ def assess(
     cost = switch_cost(eval_rate, downtime, drain_capacity, settings.replicas, cap_cur, latency_current)
     # A full batch with a queue behind it is the congested branch, whatever the fluid model's
     # smallest fixed point says: the current state is overloaded in fact.
-    congested = obs.running is not None and obs.running >= 0.95 * cap_m and (obs.waiting or 0.0) > 0.0
+    # With SD on the safety net keeps the last tick's queue: a full batch counts once its queue
+    # has held for two ticks (near the limit a stable load fills the batch for a minute now and
+    # then, and one such minute must not make leaving SD worth any restart).
+    congested = (
+        obs.running is not None
+        and obs.running >= 0.95 * cap_m
+        and (obs.waiting or 0.0) > 0.0
+        and (state.last_waiting is None or state.last_waiting > 0.0)
+    )
     decision_speedup = eval_p.speedup
     if not currently_on and settings.enable_on_pessimistic_speedup and not math.isnan(eval_p.speedup_lo):
         # Enabling is a restart on the model's word: take the end of its interval that argues
@@ -263,15 +277,18 @@ def assess(
             ln = math.inf
         # What the model cannot know, experience does: SD seen congested at some rate is treated
         # as overloaded above a margin of it for a while (a model that overrates SD at a full
-        # batch would otherwise re-enable it into the same collapse).
-        if remembered and r >= settings.congestion_margin * (state.sd_congested_rate_rps or 0.0):
-            if currently_on:
-                lc = math.inf
-            else:
-                ln = math.inf
+        # batch would otherwise re-enable it into the same collapse). Only for re-enabling: with
+        # SD on, its congestion is seen (or not) now, and one full-batch minute of a stable
+        # load must not make leaving SD worth any restart for six hours.
+        if remembered and not currently_on and r >= settings.congestion_margin * (state.sd_congested_rate_rps or 0.0):
+            ln = math.inf
         return r, lc, ln, cc, cn
 
     here = priced(eval_rate, eval_p)
+    if sustained < eval_rate and math.isinf(here[1]) and not math.isinf(here[2]):
+        # The current state overloaded at the peak minute only: leaving it is priced at the
+        # lasting load. (Entering an overload stays judged at the peak: SD's catastrophic side.)
+        here = priced(sustained, predict_point(model, sustained, acc.alpha, gamma_on, workload, en))
     if congested:
         here = (here[0], math.inf, *here[2:])
     # The trend the gain follows: a line through the last hour of the rate history when there
@@ -326,7 +343,7 @@ def assess(
                 horizon = min(horizon, max(until, settings.dwell_s))
     if not material or congested or not settings.price_switches:
         # A line that explains little of the last hour (its buckets' noise) forecasts nothing.
-        gain = switch_gain(eval_rate, horizon, *here[1:])
+        gain = switch_gain(here[0], horizon, *here[1:])
     else:
         # A load that keeps rising makes staying with SD worse hour by hour (and a falling one
         # better): the gain follows the fitted line over the horizon, never above the expected

@@ -1,5 +1,7 @@
 """From observation to assessment: acceptance source, workload memory, projection, pricing."""
 
+import math
+
 import pytest
 
 from controller.acceptance import alpha_from_vllm_rate
@@ -189,6 +191,57 @@ def test_full_batch_with_a_queue_is_congested_whatever_the_fluid_model_says():
     assert not calm.congested and calm.decision_speedup > 1.2
 
 
+@pytest.mark.parametrize(("last_waiting", "congested"), [(None, True), (0.0, False), (3.0, True)])
+def test_a_full_batch_counts_as_congested_once_its_queue_held_two_ticks(last_waiting, congested):
+    """Near its limit a stable load fills the batch for a minute now and then; that minute must
+    not make leaving SD worth any restart. The last tick's queue (kept with SD on) must agree."""
+    obs = Observation(T, 8.0, acceptance_rate=0.6, mean_draft_tokens=4.0, running=256.0, waiting=18.0)
+    on = ControllerState(applied_enabled=True, applied_draft_length=4, last_waiting=last_waiting)
+    a = assess(MODEL, S, on, obs, True, 4, T)
+    assert a.congested is congested
+    assert (a.projected_gain_request_s == float("inf")) is congested
+
+
+def _near_sd_limit(long_share: float) -> tuple[Observation, float]:
+    from controller.acceptance import alpha_from_vllm_rate
+    from controller.model import stability_limits
+
+    _, lim_on = stability_limits(MODEL, float(alpha_from_vllm_rate(0.6, 4)), 4, Workload(512, 256))
+    obs = Observation(
+        T,
+        0.93 * lim_on,
+        arrival_rate_long_rps=long_share * lim_on,
+        arrival_rate_peak_rps=1.02 * lim_on,  # the quarter hour's busiest minute, past the limit
+        acceptance_rate=0.6,
+        mean_draft_tokens=4.0,
+        mean_prompt_tokens=512,
+        mean_gen_tokens=256,
+    )
+    return obs, lim_on
+
+
+@pytest.mark.parametrize(("long_share", "overloaded"), [(0.93, False), (0.995, True)])
+def test_leaving_sd_is_an_overload_only_when_the_lasting_load_is_past_the_headroom(long_share, overloaded):
+    """The busiest minute of a steady load near SD's limit passes it now and then: leaving SD is
+    then priced (finite), and held to the load's age, until the quarter hour's rate says so."""
+    obs, lim_on = _near_sd_limit(long_share)
+    on = ControllerState(applied_enabled=True, applied_draft_length=4)
+    a = assess(MODEL, S, on, obs, True, 4, T)
+    assert a.projected_rate_rps == pytest.approx(1.02 * lim_on)  # the speedup still reads the peak
+    assert a.decision_speedup < S.disable_threshold
+    assert (a.projected_gain_request_s == float("inf")) is overloaded
+    assert overloaded or math.isfinite(a.projected_gain_request_s)
+
+
+def test_entering_sd_stays_judged_at_the_busiest_minute():
+    # SD off, the quarter hour at 93 % of SD's limit, its busiest minute past it: enabling SD
+    # enters an overload (its catastrophic side), whatever the lasting load.
+    obs, _ = _near_sd_limit(0.93)
+    off = ControllerState(applied_enabled=False)
+    a = assess(MODEL, S0, off, obs, False, None, T)
+    assert a.projected_gain_request_s == float("-inf")
+
+
 def test_drain_is_priced_at_the_full_batch_throughput():
     from controller.acceptance import alpha_from_vllm_rate
     from controller.model import stability_limits, throughput_at_batch
@@ -223,6 +276,14 @@ def test_remembered_congestion_keeps_sd_off_until_the_load_is_well_below():
         T + S.congestion_memory_s + 120,
     )
     assert forgotten.projected_gain_request_s > 0
+    # With SD on the memory does not make leaving it an overload: its congestion is seen, or not, now.
+    on = ControllerState(
+        applied_enabled=True, applied_draft_length=4, sd_congested_rate_rps=10.0, sd_congested_at=T - 60
+    )
+    running = Observation(
+        T, 8.5, acceptance_rate=0.6, mean_draft_tokens=4.0, mean_prompt_tokens=512, mean_gen_tokens=256
+    )
+    assert math.isfinite(assess(MODEL, S, on, running, True, 4, T).projected_gain_request_s)
 
 
 def test_oscillating_load_is_judged_by_its_recent_peak():
