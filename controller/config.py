@@ -197,7 +197,7 @@ class PricingSettings(BaseModel):
         0.8,
         gt=0,
         le=1,
-        description="After SD was seen congested (full batch and a queue) at some rate, it is treated as overloaded above this fraction of that rate, for congestion_memory_s.",
+        description="After SD was seen congested (full batch and a queue, two ticks running) at some rate, enabling it counts as entering an overload above this fraction of that rate, for congestion_memory_s (it guards re-enabling; SD that runs is judged by what it shows now).",
     )
     congestion_memory_s: float = Field(21600.0, gt=0, description="How long a seen SD congestion is remembered.")
     trend_lookahead_s: float = Field(
