@@ -203,7 +203,6 @@ def test_a_full_batch_counts_as_congested_once_its_queue_held_two_ticks(last_wai
 
 
 def _near_sd_limit(long_share: float) -> tuple[Observation, float]:
-    from controller.acceptance import alpha_from_vllm_rate
     from controller.model import stability_limits
 
     _, lim_on = stability_limits(MODEL, float(alpha_from_vllm_rate(0.6, 4)), 4, Workload(512, 256))

@@ -3,6 +3,7 @@ and the restart pricing it reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -115,8 +116,6 @@ def test_shipped_truth_calibration_is_what_bench_then_calibrate_produces(tmp_pat
 def _leaves(value, key: str = "") -> list[tuple[str, object]]:
     """(path, leaf) pairs of a nested dataclass/tuple/dict, in order: numbers compared with a
     tolerance, everything else exactly."""
-    import dataclasses
-
     if dataclasses.is_dataclass(value):
         return [leaf for f in dataclasses.fields(value) for leaf in _leaves(getattr(value, f.name), f"{key}.{f.name}")]
     if isinstance(value, dict):
