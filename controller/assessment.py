@@ -353,8 +353,16 @@ def assess(
         path = []
         for k in range(GAIN_PATH_POINTS):
             r = min(max(eval_rate + fitted * (k + 0.5) * step, 0.5 * eval_rate), line_top)
-            path.append(priced(r, predict_point(model, r, acc.alpha, gamma_on, workload, en)) if r > 0 else here)
-        gain = path_gain(path, step)
+            point = priced(r, predict_point(model, r, acc.alpha, gamma_on, workload, en)) if r > 0 else here
+            if ahead_peak is None and math.isinf(point[1]) and not math.isinf(here[1]):
+                # A line that nothing confirms (no earlier days, no operator's peak) is believed
+                # up to where it would overload the current state, not past it: whether the load
+                # gets there is the rise's own question, priced by disabling ahead of the rise
+                # (a restart now against the rule's own later one), and a day's rise flattens
+                # at a peak the line cannot see.
+                break
+            path.append(point)
+        gain = path_gain(path, step) if path else switch_gain(here[0], step, *here[1:])
     now_cur = now_p.latency_on_s if currently_on else now_p.latency_off_s
     filter_s = excursion_filter_s(
         downtime,

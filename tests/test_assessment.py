@@ -363,3 +363,24 @@ def test_the_excursion_signal_times_the_load_that_is_here_not_the_two_windows_pr
         model, S, ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=yesterday), obs, True, 4, T
     )
     assert a_day.trend_speedup < a.trend_speedup
+
+
+@pytest.mark.parametrize(("expected_peak", "infinite"), [(None, False), (16.0, True)])
+def test_a_line_nothing_confirms_is_believed_up_to_the_current_states_overload(expected_peak, infinite):
+    """SD on at 10 req/s on a line rising 6 req/s an hour, with no earlier days: the line would
+    overload SD within the horizon, but only an operator's (or earlier days') peak says the load
+    gets there; unconfirmed, the gain counts the line up to that point (finite, so the restart's
+    price still applies), confirmed it is leaving an overload (worth any restart)."""
+    model = load(truth_calibration_path()).latency_model()
+    obs = Observation(
+        T, 10.0, arrival_rate_long_rps=10.0, acceptance_rate=0.38, mean_draft_tokens=4.0,
+        mean_prompt_tokens=1000.0, mean_gen_tokens=280.0,
+    )  # fmt: skip
+    state = ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=_history(10.0, 6.0))
+    settings = S.model_copy(update={"expected_peak_rps": expected_peak})
+    a = assess(model, settings, state, obs, True, 4, T)
+    p = predict_point(model, 10.0, a.acceptance.alpha, 4, a.workload)
+    assert math.isfinite(p.latency_on_s)  # SD is not overloaded now...
+    assert a.gain_horizon_s * 6.0 / 3600.0 + 10.0 > p.stability_limit_on_rps  # ...but on the line
+    assert math.isinf(a.projected_gain_request_s) is infinite
+    assert a.projected_gain_request_s > 0
