@@ -17,13 +17,16 @@ from controller.model import (
     Workload,
     best_draft_length,
     break_even_rates,
+    cycle_speedup,
     predict_point,
     throughput_at_batch,
 )
 from controller.observation import Observation
 from controller.risk import (
+    CYCLE_WINDOW_S,
     RISE_FIT_S,
     backlog_drain_s,
+    cycle_rates,
     excursion_filter_s,
     expected_peak,
     forecast_peak,
@@ -148,6 +151,9 @@ class Assessment:
     # toward it, or when some time before the rule's is cheaper still), and when the rule would.
     early_disable_saving_request_s: float = 0.0
     rule_disable_in_s: float | None = None
+    # The load crossed SD's break-even band back and forth within two hours (risk.cycle_rates):
+    # the speedup and the gain are the cycle's, and its latency evidence is its transients.
+    cycling: bool = False
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -256,6 +262,26 @@ def assess(
         # Enabling is a restart on the model's word: take the end of its interval that argues
         # against it, so calibration error cannot talk the controller into a loss.
         decision_speedup = eval_p.speedup_lo
+    trend_speedup = trend_p.speedup
+    low_be, high_be = bes[settings.enable_threshold], be
+    cycle = (
+        cycle_rates(state.rate_history, now, rate, low_be.rate_rps, high_be.rate_rps)
+        if settings.price_switches and low_be.rate_rps is not None and high_be.rate_rps is not None
+        else None
+    )
+    # A crest past a limit builds a queue that the trough drains, not a lasting overload (and a
+    # bucket's busiest minute overstates it): the cycle's rates are priced up to the headroom.
+    crest = settings.capacity_headroom * min(now_p.stability_limit_off_rps, now_p.stability_limit_on_rps)
+    cycle_points = (
+        [predict_point(model, min(r, crest), acc.alpha, gamma_on, workload, en) for r in cycle] if cycle else []
+    )
+    if cycle_points:
+        # A load that went through SD's break-even and back within two hours is judged by
+        # them, not by the phase it is in now: that is what the next hours plausibly bring.
+        # Enabling still needs the busiest minute's word as well (SD's catastrophic side).
+        cyc = cycle_speedup(cycle_points)
+        decision_speedup = cyc if currently_on else min(cyc, decision_speedup)
+        trend_speedup = cyc
     if congested and currently_on:
         decision_speedup = 0.0  # SD is the state that fell behind
     remembered = sd_congestion_remembered(state, settings, now)
@@ -363,6 +389,11 @@ def assess(
                 break
             path.append(point)
         gain = path_gain(path, step) if path else switch_gain(here[0], step, *here[1:])
+    if cycle_points and not congested:
+        # The cycle's gain: an equal share of the horizon at each of its rates. A line through a
+        # cycle says nothing of when it ends; the cycle vouches for about as long as it was seen.
+        horizon = max(settings.dwell_s, min(settings.gain_horizon_max_s, CYCLE_WINDOW_S))
+        gain = path_gain([priced(p.rate_rps, p) for p in cycle_points], horizon / len(cycle_points))
     now_cur = now_p.latency_on_s if currently_on else now_p.latency_off_s
     filter_s = excursion_filter_s(
         downtime,
@@ -424,13 +455,15 @@ def assess(
         speedup_hi=eval_p.speedup_hi,
         projected_speedup=eval_p.speedup,
         expected_peak_rps=peak,
-        trend_speedup=trend_p.speedup,
+        trend_speedup=trend_speedup,
         undo_cost_request_s=undo_cost,
-        horizon_forecast=history_peak is not None or material,
+        # A cycle that came back is its own forecast (three crossings: it repeated).
+        horizon_forecast=history_peak is not None or material or bool(cycle_points),
         excursion_filter_s=filter_s,
         applied_overloaded=congested or math.isinf(now_cur),
         early_disable_saving_request_s=early,
         rule_disable_in_s=fire_in,
+        cycling=bool(cycle_points),
     )
 
 

@@ -839,6 +839,16 @@ def curves(
     return off, mode_curve(model, workload, True, en, float(draft_length))
 
 
+def cycle_speedup(points: Sequence[PointPrediction]) -> float:
+    """The speedup of a load that cycles through ``points`` (equal time at each): the mean
+    latency of its requests without SD over with SD (each point weighted by its rate). SD
+    overloaded at any point makes it 0, as at one rate."""
+    t_off = sum(p.rate_rps * p.latency_off_s for p in points)
+    t_on = sum(p.rate_rps * p.latency_on_s for p in points)
+    top = max(points, key=lambda p: p.rate_rps)
+    return _speedup_from(t_off, t_on, top.stability_limit_off_rps, top.stability_limit_on_rps)
+
+
 def _speedup_from(t_off: float, t_on: float, mu_off: float, mu_on: float) -> float:
     if math.isinf(t_off) and math.isinf(t_on):
         return mu_on / mu_off if mu_off > 0 else math.inf

@@ -386,13 +386,15 @@ def decide(
     if (
         risk
         and not assessment.applied_overloaded
+        and not assessment.cycling
         and err is not None
         and err > 0
         and abs(math.log(err)) > math.log1p(settings.model_error_threshold)
     ):
         # A model that mispredicts the state it watches (a calibration from another server,
         # a driver upgrade) would price the other state just as wrongly: the correction
-        # catches up first. Overload and the safety net still act.
+        # catches up first. Overload and the safety net still act, and so does a cycling load,
+        # whose few steady ticks are its turns, with the crest's queue still draining.
         return out(
             Action.NONE,
             Reason.MODEL_ERROR,

@@ -26,6 +26,7 @@ table-tested one by one, the way the Kubernetes HPA tests its stabilization wind
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -41,6 +42,10 @@ TREND_FIT_S = 3600.0
 TREND_MIN_BUCKETS = 6
 # A load seen within the last hour plausibly comes back: an oscillation, repeated spikes.
 RECENT_PEAK_S = 3600.0
+# A load that crossed SD's break-even band this often within this window is a cycle (see
+# cycle_rates): two hours hold three crossings of a 40-minute oscillation, or of spikes 30 minutes apart.
+CYCLE_WINDOW_S = 7200.0
+CYCLE_MIN_CROSSINGS = 3
 # A fitted trend forecasts the load only if it moves it by this fraction (and at least
 # TREND_MIN_RPS) within TREND_FIT_S; a flatter line is the rate's noise.
 TREND_MIN_CHANGE = 0.10
@@ -202,6 +207,24 @@ def recent_peak(history: RateHistory, now: float, window_s: float = RECENT_PEAK_
         return None
     rate, at = max(seen)
     return rate, at
+
+
+def cycle_rates(
+    history: RateHistory, now: float, rate_rps: float, low_rps: float, high_rps: float, window_s: float = CYCLE_WINDOW_S
+) -> tuple[float, ...] | None:
+    """The last ``window_s``'s bucket rates and the rate now, when the load crossed the band
+    ``[low_rps, high_rps]`` three times within them: it came back to a side it had left and
+    left it again (an oscillation, a run of spikes). None otherwise: a step crosses once, one
+    spike twice, a steady load not at all.
+
+    Such a load is a cycle, not a level: judged at whatever phase it is in now, it restarts vLLM
+    at every crest or never, since each crest and each trough is shorter than the excursion
+    filter. Rates inside the band (a load at break-even) count for neither side.
+    """
+    seen = [r for t, r in history if now - window_s <= t <= now] + [rate_rps]
+    sides = [r > high_rps for r in seen if r > high_rps or r < low_rps]
+    flips = sum(a != b for a, b in itertools.pairwise(sides))
+    return tuple(seen) if flips >= CYCLE_MIN_CROSSINGS else None
 
 
 def _window(history: RateHistory, lo: float, hi: float) -> list[tuple[float, float]]:

@@ -384,3 +384,30 @@ def test_a_line_nothing_confirms_is_believed_up_to_the_current_states_overload(e
     assert a.gain_horizon_s * 6.0 / 3600.0 + 10.0 > p.stability_limit_on_rps  # ...but on the line
     assert math.isinf(a.projected_gain_request_s) is infinite
     assert a.projected_gain_request_s > 0
+
+
+@pytest.mark.parametrize("crests", [1, 3])
+def test_a_load_that_cycles_through_the_break_even_is_judged_by_the_cycle(crests):
+    """SD on in the trough (3 req/s) of a load with 13 req/s crests every 40 minutes: SD wins at
+    3 req/s, but the cycle's requests fare better without it, so the decision reads the cycle's
+    speedup and gain, the crest priced up to the headroom (finite: the trough drains it). One
+    crest is a spike, not a cycle: the trough alone is judged."""
+    model = load(truth_calibration_path()).latency_model()
+    period = [13.0, 13.0, 8.0, 3.0, 3.0, 3.0, 3.0, 8.0]  # 40 minutes of 5-minute buckets
+    rates = (period * 3)[: 8 * crests] if crests > 1 else [3.0] * 16 + period
+    history = tuple((T - 300.0 * (len(rates) - k), r) for k, r in enumerate(rates))
+    obs = Observation(
+        T, 3.0, arrival_rate_long_rps=3.0, acceptance_rate=0.38, mean_draft_tokens=4.0,
+        mean_prompt_tokens=1000.0, mean_gen_tokens=280.0,
+    )  # fmt: skip
+    state = ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=history)
+    a = assess(model, S, state, obs, True, 4, T)
+    assert a.predicted_speedup > S.enable_threshold  # SD wins at the trough's rate
+    assert a.cycling is (crests > 1)
+    if crests > 1:
+        assert a.decision_speedup < S.disable_threshold and a.trend_speedup == a.decision_speedup
+        assert math.isfinite(a.projected_gain_request_s) and a.projected_gain_request_s > a.switch_cost_request_s
+        assert a.horizon_forecast  # a cycle that came back is its own forecast
+    else:
+        assert a.decision_speedup > S.disable_threshold
+        assert a.projected_gain_request_s < 0

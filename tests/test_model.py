@@ -16,6 +16,7 @@ from controller.model import (
     best_draft_length,
     break_even_rates,
     curves,
+    cycle_speedup,
     predict,
     predict_point,
     speedup_point,
@@ -627,3 +628,23 @@ def test_crossing_is_bracketed_and_cheaper_than_bisection(f, lo, hi, root):
     # Bisection needs log2((hi − lo)/(tol·root)) evaluations; a smooth crossing takes fewer.
     halvings = math.ceil(math.log2((hi - lo) / (BREAK_EVEN_REL_TOL * root)))
     assert len(calls) <= (halvings if f(lo) != 1.0 else 2 * halvings)
+
+
+def test_a_cycles_speedup_is_the_ratio_of_its_requests_mean_latencies():
+    """Equal time at each rate: the requests of the busy phase count by their rate, so a cycle
+    whose crest loses with SD can lose overall though SD wins at most of its rates."""
+    m = simple(max_num_seqs=64)
+    rates = [0.5, 0.5, 0.5, 4.0]
+    points = [predict_point(m, r, 0.7, 4, W) for r in rates]
+    assert all(math.isfinite(p.latency_on_s) for p in points)
+    want = sum(r * p.latency_off_s for r, p in zip(rates, points, strict=True)) / sum(
+        r * p.latency_on_s for r, p in zip(rates, points, strict=True)
+    )
+    assert cycle_speedup(points) == pytest.approx(want, rel=1e-12)
+    # Not the time-average of the speedups (the quiet phases would outvote the crest).
+    assert cycle_speedup(points) != pytest.approx(sum(p.speedup for p in points) / len(points), rel=1e-3)
+    # SD overloaded at one point of the cycle (its limit, not plain decoding's): 0, as at one rate.
+    mu_off, mu_on = points[0].stability_limit_off_rps, points[0].stability_limit_on_rps
+    assert mu_on < mu_off
+    over = predict_point(m, 0.5 * (mu_on + mu_off), 0.7, 4, W)
+    assert cycle_speedup([*points[:3], over]) == 0.0

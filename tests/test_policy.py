@@ -411,11 +411,13 @@ def test_noise_inside_the_hysteresis_band_does_not_restart_the_excursion_clock(d
         (1.30, False, False, Reason.MODEL_ERROR),  # the model misses the running mode by 30 %: hold
         (0.70, False, False, Reason.MODEL_ERROR),  # ...in either direction
         (1.30, True, True, Reason.SPEEDUP_LOW),  # overloaded is overloaded, whatever the error
+        (1.30, "cycling", True, Reason.SPEEDUP_LOW),  # a cycling load's evidence is its transients
     ],
 )
 def test_a_model_that_misses_the_running_mode_is_not_trusted_with_a_restart(ratio, overloaded, acts, reason):
     state = on_state(switch_wanted_since=T0 - 3600, switch_wanted_enabled=False)
-    a = risky(0.9, model_error_ratio=ratio, applied_overloaded=overloaded)
+    cycling = overloaded == "cycling"
+    a = risky(0.9, model_error_ratio=ratio, applied_overloaded=overloaded is True, cycling=cycling)
     d, _ = decide(RISK, state, obs(), a, AUTO, T0)
     assert (d.acts, d.reason) == (acts, reason)
 

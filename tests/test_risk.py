@@ -8,6 +8,7 @@ import pytest
 from controller.risk import (
     DAY_S,
     backlog_drain_s,
+    cycle_rates,
     excursion_filter_s,
     expected_peak,
     forecast_peak,
@@ -228,3 +229,34 @@ def test_rented_gain_grows_with_the_load_age_and_never_passes_the_whole_gain():
 def test_a_rise_to_anticipate_is_a_steady_line_through_two_hours(points, rate, expected):
     got = steady_rise(tuple(points), 7200.0, rate)
     assert got == (None if expected is None else pytest.approx(expected, rel=0.05))
+
+
+def _buckets(rates: list[float]) -> tuple[tuple[float, float], ...]:
+    """5-minute buckets ending now, oldest first."""
+    return tuple((T0 - 300.0 * (len(rates) - k), r) for k, r in enumerate(rates))
+
+
+@pytest.mark.parametrize(
+    ("rates", "now_rps", "cycle"),
+    [
+        ([3, 3, 3, 13, 13, 13, 13, 13], 13.0, False),  # a step up: one crossing
+        ([13, 13, 13, 3, 3, 3, 3, 3], 3.0, False),  # a step down: one crossing
+        ([3, 3, 13, 13, 3, 3, 3, 3], 3.0, False),  # one spike: two crossings
+        ([3, 13, 13, 3, 3, 13, 3, 3], 3.0, True),  # a run of spikes: it came back
+        ([13, 8, 3, 8, 13, 8, 3, 5], 5.0, True),  # an oscillation through the band
+        ([3, 8, 3, 8, 3, 8, 3, 8], 8.0, False),  # rates inside the band count for neither side
+        ([8, 8, 8, 8, 8, 8, 8, 8], 8.0, False),  # a steady load at break-even
+    ],
+)
+def test_a_load_is_a_cycle_once_it_crossed_the_break_even_band_three_times(rates, now_rps, cycle):
+    got = cycle_rates(_buckets(rates), T0, now_rps, low_rps=6.0, high_rps=9.0)
+    assert (got is not None) is cycle
+    if cycle:
+        assert got == (*map(float, rates), now_rps)  # the window's rates and the rate now
+
+
+def test_a_cycle_is_read_within_its_window_only():
+    """The same spikes, the first of them older than the window: two crossings left."""
+    history = _buckets([3, 13, 13, 3, 3, 13, 3, 3])
+    assert cycle_rates(history, T0, 3.0, 6.0, 9.0, window_s=8 * 300.0) is not None
+    assert cycle_rates(history, T0, 3.0, 6.0, 9.0, window_s=5 * 300.0) is None
