@@ -368,6 +368,8 @@ def decide(
         reason, detail = Reason.SPEEDUP_LOW, f"speedup {s:.3f} < {settings.disable_threshold}"
     else:
         reason, detail = Reason.SPEEDUP_HIGH, f"speedup {s:.3f} > {settings.enable_threshold}"
+    if assessment.cycling and not floor_hit:
+        detail += " over the load's cycle (through the break-even three times in two hours)"
 
     # 4. Necessary conditions on top of the thresholds: startup hold, dwell, backoff, the
     #    excursion filter, and the price of the switch (with the way back when enabling).

@@ -12,6 +12,9 @@ table-tested one by one, the way the Kubernetes HPA tests its stabilization wind
   read off the same hours of yesterday and of a week ago (:func:`record_rate`,
   :func:`forecast_peak`, :func:`forecast_time_to`): a diurnal day repeats, a trend from two
   windows does not see tomorrow morning.
+* **Cycles.** A load that crossed SD's break-even band back and forth within two hours (an
+  oscillation, a run of spikes) is judged by those hours' rates, not the phase it is in now
+  (:func:`cycle_rates`): each crest and trough is shorter than the excursion filter.
 * **Startup hold.** A controller that just started has no trend and no history of its own: it
   keeps the state vLLM was launched with unless that state is clearly wrong now.
 * **A load lasts about as long as it has lasted.** When nothing forecasts how long the load

@@ -50,6 +50,15 @@ def test_record_and_read_back():
     assert g("sd_controller_last_decision_timestamp_seconds") == 160.0
     assert g("sd_controller_build_info", {"version": "0.1.0"}) == 1
     assert g("sd_observed_latency_seconds") == 2.1
+    assert g("sd_load_cycling") == 0
+
+
+def test_a_cycling_load_is_shown():
+    from dataclasses import replace
+
+    reg = CollectorRegistry()
+    Exporter(reg).record(160.0, ControllerState(applied_enabled=True), D, replace(A, cycling=True), None, None, ())
+    assert reg.get_sample_value("sd_load_cycling") == 1
 
 
 def test_served_over_http_and_parsed_back():

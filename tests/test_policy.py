@@ -420,6 +420,7 @@ def test_a_model_that_misses_the_running_mode_is_not_trusted_with_a_restart(rati
     a = risky(0.9, model_error_ratio=ratio, applied_overloaded=overloaded is True, cycling=cycling)
     d, _ = decide(RISK, state, obs(), a, AUTO, T0)
     assert (d.acts, d.reason) == (acts, reason)
+    assert ("load's cycle" in d.detail) is cycling  # the log says what the speedup was read over
 
 
 def test_oscillating_signal_never_accumulates():
