@@ -19,6 +19,7 @@ from controller.model import (
     break_even_rates,
     cycle_speedup,
     predict_point,
+    predict_points,
     throughput_at_batch,
 )
 from controller.observation import Observation
@@ -273,7 +274,7 @@ def assess(
     # bucket's busiest minute overstates it): the cycle's rates are priced up to the headroom.
     crest = settings.capacity_headroom * min(now_p.stability_limit_off_rps, now_p.stability_limit_on_rps)
     cycle_points = (
-        [predict_point(model, min(r, crest), acc.alpha, gamma_on, workload, en) for r in cycle] if cycle else []
+        predict_points(model, [min(r, crest) for r in cycle], acc.alpha, gamma_on, workload, en) if cycle else []
     )
     if cycle_points:
         # A load that went through SD's break-even and back within two hours is judged by

@@ -938,6 +938,29 @@ def predict_point(
     )
 
 
+def predict_points(
+    model: LatencyModel,
+    rates_rps: Sequence[float],
+    alpha: float,
+    draft_length: int,
+    workload: Workload,
+    accepted_length: float | None = None,
+) -> list[PointPrediction]:
+    """Both modes at many rates, each mode's chain summed for all of them in one pass (a cycle's
+    rates): the latencies, limits and speedup of :func:`predict_point`, without the intervals
+    or the batch (NaN)."""
+    off, on = curves(model, alpha, draft_length, workload, accepted_length)
+    en = _clamped_en(alpha, draft_length, accepted_length) if draft_length > 0 else 1.0
+    mu_off, mu_on = off.stability_limit_rps, on.stability_limit_rps
+    t_off, t_on = off.latencies_s(rates_rps), on.latencies_s(rates_rps)
+    return [
+        PointPrediction(
+            float(r), int(draft_length), en, a, b, math.nan, math.nan, mu_off, mu_on, _speedup_from(a, b, mu_off, mu_on)
+        )
+        for r, a, b in zip(rates_rps, t_off, t_on, strict=True)
+    ]
+
+
 def speedup_point(model: LatencyModel, rate_rps: float, alpha: float, draft_length: int, workload: Workload) -> float:
     """Scalar speedup T_off / T_on at one point (see :class:`Prediction` for overload)."""
     off, on = curves(model, alpha, draft_length, workload)

@@ -19,6 +19,7 @@ from controller.model import (
     cycle_speedup,
     predict,
     predict_point,
+    predict_points,
     speedup_point,
     stability_limits,
 )
@@ -648,3 +649,13 @@ def test_a_cycles_speedup_is_the_ratio_of_its_requests_mean_latencies():
     assert mu_on < mu_off
     over = predict_point(m, 0.5 * (mu_on + mu_off), 0.7, 4, W)
     assert cycle_speedup([*points[:3], over]) == 0.0
+
+
+def test_many_points_in_one_pass_are_the_single_points():
+    m = simple(max_num_seqs=64)
+    rates = [0.0, 0.5, 2.0, 4.0, 5.0, 6.0, 9.0]  # idle, loaded, past SD's limit, past both
+    many = predict_points(m, rates, 0.7, 4, W)
+    for r, p in zip(rates, many, strict=True):
+        one = predict_point(m, r, 0.7, 4, W)
+        for field in ("latency_off_s", "latency_on_s", "stability_limit_off_rps", "stability_limit_on_rps", "speedup"):
+            assert getattr(p, field) == pytest.approx(getattr(one, field), rel=1e-9), (r, field)
