@@ -270,12 +270,12 @@ def assess(
         if settings.price_switches and low_be.rate_rps is not None and high_be.rate_rps is not None
         else None
     )
-    # A crest past a limit builds a queue that the trough drains, not a lasting overload (and a
-    # bucket's busiest minute overstates it): the cycle's rates are priced up to the headroom.
-    crest = settings.capacity_headroom * min(now_p.stability_limit_off_rps, now_p.stability_limit_on_rps)
-    cycle_points = (
-        predict_points(model, [min(r, crest) for r in cycle], acc.alpha, gamma_on, workload, en) if cycle else []
-    )
+    cycle_points = []
+    if cycle:
+        # A crest past a limit builds a queue that the trough drains, not a lasting overload (and
+        # a bucket's busiest minute overstates it): the cycle's rates are priced up to the headroom.
+        crest = settings.capacity_headroom * min(now_p.stability_limit_off_rps, now_p.stability_limit_on_rps)
+        cycle_points = predict_points(model, [min(r, crest) for r in cycle], acc.alpha, gamma_on, workload, en)
     if cycle_points:
         # A load that went through SD's break-even and back within two hours is judged by
         # them, not by the phase it is in now: that is what the next hours plausibly bring.
@@ -368,7 +368,12 @@ def assess(
                 until = (r_back - eval_rate) / fitted
             if until is not None:
                 horizon = min(horizon, max(until, settings.dwell_s))
-    if not material or congested or not settings.price_switches:
+    if cycle_points and not congested:
+        # The cycle's gain: an equal share of the horizon at each of its rates. A line through a
+        # cycle says nothing of when it ends; the cycle vouches for about as long as it was seen.
+        horizon = max(settings.dwell_s, min(settings.gain_horizon_max_s, CYCLE_WINDOW_S))
+        gain = path_gain([priced(p.rate_rps, p) for p in cycle_points], horizon / len(cycle_points))
+    elif not material or congested or not settings.price_switches:
         # A line that explains little of the last hour (its buckets' noise) forecasts nothing.
         gain = switch_gain(here[0], horizon, *here[1:])
     else:
@@ -390,11 +395,6 @@ def assess(
                 break
             path.append(point)
         gain = path_gain(path, step) if path else switch_gain(here[0], step, *here[1:])
-    if cycle_points and not congested:
-        # The cycle's gain: an equal share of the horizon at each of its rates. A line through a
-        # cycle says nothing of when it ends; the cycle vouches for about as long as it was seen.
-        horizon = max(settings.dwell_s, min(settings.gain_horizon_max_s, CYCLE_WINDOW_S))
-        gain = path_gain([priced(p.rate_rps, p) for p in cycle_points], horizon / len(cycle_points))
     now_cur = now_p.latency_on_s if currently_on else now_p.latency_off_s
     filter_s = excursion_filter_s(
         downtime,
