@@ -26,6 +26,7 @@ from controller.observation import Observation
 from controller.risk import (
     CYCLE_WINDOW_S,
     RISE_FIT_S,
+    acceptance_trend,
     backlog_drain_s,
     cycle_rates,
     excursion_filter_s,
@@ -33,6 +34,7 @@ from controller.risk import (
     forecast_peak,
     forecast_time_to,
     history_fit,
+    projected_alpha,
     recent_peak,
     steady_rise,
     trend_is_material,
@@ -155,6 +157,9 @@ class Assessment:
     # The load crossed SD's break-even band back and forth within two hours (risk.cycle_rates):
     # the speedup and the gain are the cycle's, and its latency evidence is its transients.
     cycling: bool = False
+    # SD on with its acceptance drifting along a line through the last hour
+    # (risk.acceptance_trend, α per second): the gain of disabling follows it. None: no drift.
+    acceptance_trend_per_s: float | None = None
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -368,24 +373,39 @@ def assess(
                 until = (r_back - eval_rate) / fitted
             if until is not None:
                 horizon = min(horizon, max(until, settings.dwell_s))
+    # SD running a drifting draft (the traffic's mix changing): leaving it gains more hour by
+    # hour, and the gain follows the acceptance's line as it follows the load's.
+    drift = (
+        acceptance_trend(state.alpha_history, now)
+        if currently_on
+        and settings.price_switches
+        and acc.source is AcceptanceSource.MEASURED
+        and not congested
+        and not cycle_points
+        else None
+    )
     if cycle_points and not congested:
         # The cycle's gain: an equal share of the horizon at each of its rates. A line through a
         # cycle says nothing of when it ends; the cycle vouches for about as long as it was seen.
         horizon = max(settings.dwell_s, min(settings.gain_horizon_max_s, CYCLE_WINDOW_S))
         gain = path_gain([priced(p.rate_rps, p) for p in cycle_points], horizon / len(cycle_points))
-    elif not material or congested or not settings.price_switches:
+    elif (not material and drift is None) or congested or not settings.price_switches:
         # A line that explains little of the last hour (its buckets' noise) forecasts nothing.
         gain = switch_gain(here[0], horizon, *here[1:])
     else:
         # A load that keeps rising makes staying with SD worse hour by hour (and a falling one
         # better): the gain follows the fitted line over the horizon, never above the expected
         # peak (or twice the load plus one request per second without one) and never below half
-        # the load (a line fitted to an evening does not run on to zero).
+        # the load (a line fitted to an evening does not run on to zero). A drifting acceptance
+        # moves along its own line for the hour that vouches for it (a measured E[N] is the
+        # acceptance of now only).
         step = horizon / GAIN_PATH_POINTS
         path = []
         for k in range(GAIN_PATH_POINTS):
-            r = min(max(eval_rate + fitted * (k + 0.5) * step, 0.5 * eval_rate), line_top)
-            point = priced(r, predict_point(model, r, acc.alpha, gamma_on, workload, en)) if r > 0 else here
+            after = (k + 0.5) * step
+            r = min(max(eval_rate + fitted * after, 0.5 * eval_rate), line_top) if material and fitted else here[0]
+            alpha_k, en_k = (acc.alpha, en) if drift is None else (projected_alpha(acc.alpha, drift, after), None)
+            point = priced(r, predict_point(model, r, alpha_k, gamma_on, workload, en_k)) if r > 0 else here
             if ahead_peak is None and math.isinf(point[1]) and not math.isinf(here[1]):
                 # A line that nothing confirms (no earlier days, no operator's peak) is believed
                 # up to where it would overload the current state, not past it: whether the load
@@ -459,12 +479,14 @@ def assess(
         trend_speedup=trend_speedup,
         undo_cost_request_s=undo_cost,
         # A cycle that came back is its own forecast (three crossings: it repeated).
-        horizon_forecast=history_peak is not None or material or bool(cycle_points),
+        # So is an acceptance drifting along a line: the load is not what changed.
+        horizon_forecast=history_peak is not None or material or bool(cycle_points) or drift is not None,
         excursion_filter_s=filter_s,
         applied_overloaded=congested or math.isinf(now_cur),
         early_disable_saving_request_s=early,
         rule_disable_in_s=fire_in,
         cycling=bool(cycle_points),
+        acceptance_trend_per_s=drift,
     )
 
 

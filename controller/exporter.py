@@ -100,6 +100,7 @@ PREDICTION_GAUGES = (
     "sd_restart_downtime_seconds",
     "sd_disable_ahead_saving_request_seconds",
     "sd_load_cycling",
+    "sd_acceptance_trend_per_hour",
 )
 
 
@@ -145,6 +146,10 @@ class Exporter:
         g.define("sd_gain_horizon_seconds", "How long the other state is expected to stay right")
         g.define("sd_restart_downtime_seconds", "Restart downtime estimate")
         g.define("sd_load_cycling", "1 while the load cycles through SD's break-even: the decision reads the cycle")
+        g.define(
+            "sd_acceptance_trend_per_hour",
+            "Change of the per-token acceptance per hour that the gain of disabling follows (0: no drift)",
+        )
         # Closing the loop (controller/learning.py): drift, the correction, calibrated predictions.
         g.define("sd_model_error_ratio", "Smoothed observed / predicted (corrected) latency", ("mode",))
         g.define("sd_model_correction", "Correction factor on the step costs (1 = calibration)", ("mode", "term"))
@@ -243,6 +248,7 @@ class Exporter:
         g("sd_restart_downtime_seconds", a.restart_downtime_s)
         g("sd_disable_ahead_saving_request_seconds", a.early_disable_saving_request_s)
         g("sd_load_cycling", 1 if a.cycling else 0)
+        g("sd_acceptance_trend_per_hour", (a.acceptance_trend_per_s or 0.0) * 3600.0)
 
     def record_learning(self, learner: Learner, learned: Learned | None, assessment: Assessment | None) -> None:
         """Drift and the correction (see controller/learning.py)."""

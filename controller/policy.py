@@ -27,7 +27,14 @@ from controller.config import OverrideMode, PolicyConfig
 from controller.events import Event, EventKind
 from controller.hooks.base import HookPhase, HookStatus
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
-from controller.risk import HISTORY_BUCKET_S, in_startup_hold, persisted_since, record_rate, rented_gain
+from controller.risk import (
+    HISTORY_BUCKET_S,
+    in_startup_hold,
+    persisted_since,
+    record_acceptance,
+    record_rate,
+    rented_gain,
+)
 from controller.state import ControllerState, PendingChange
 
 MAX_RESTART_DURATIONS = 20
@@ -187,7 +194,12 @@ def _remember(state: ControllerState, obs: Observation, a: Assessment, now: floa
     """Keep what we will need while SD is off (acceptance) or the server idles (workload)."""
     changes: dict = {}
     if a.acceptance.source is AcceptanceSource.MEASURED:
-        changes.update(last_acceptance_rate=a.acceptance.rate, last_alpha=a.acceptance.alpha, last_acceptance_at=now)
+        changes.update(
+            last_acceptance_rate=a.acceptance.rate,
+            last_alpha=a.acceptance.alpha,
+            last_acceptance_at=now,
+            alpha_history=record_acceptance(state.alpha_history, now, a.acceptance.alpha),
+        )
     if obs.arrival_rate_rps is not None:
         changes.update(
             rate_history=record_rate(state.rate_history, now, obs.arrival_rate_rps, HISTORY_BUCKET_S, HISTORY_KEEP_S)
@@ -370,6 +382,9 @@ def decide(
         reason, detail = Reason.SPEEDUP_HIGH, f"speedup {s:.3f} > {settings.enable_threshold}"
     if assessment.cycling and not floor_hit:
         detail += " over the load's cycle (through the break-even three times in two hours)"
+    if assessment.acceptance_trend_per_s is not None and not floor_hit:
+        per_h = assessment.acceptance_trend_per_s * 3600.0
+        detail += f", the gain following acceptance {'falling' if per_h < 0 else 'rising'} {abs(per_h):.2f}/h"
 
     # 4. Necessary conditions on top of the thresholds: startup hold, dwell, backoff, the
     #    excursion filter, and the price of the switch (with the way back when enabling).

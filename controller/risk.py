@@ -25,6 +25,12 @@ table-tested one by one, the way the Kubernetes HPA tests its stabilization wind
   little, an hour of it for most of an hour's gain. It keeps a step that reverses within the
   hour, or a launch into a load about to change, from a restart that never pays back, and
   asks a quiet hour to last before a restart is spent on it.
+* **Acceptance trend.** The draft's acceptance drifts when the traffic's mix does (a new
+  language, a new task). While SD runs, the controller keeps the last hour of the per-token
+  acceptance α in buckets (:func:`record_acceptance`); a line that explains that hour and moves
+  α materially (:func:`acceptance_trend`) is followed for as long as it was seen and then held
+  (:func:`projected_alpha`): a drift that has run for an hour plausibly runs one more, and says
+  nothing of where it goes after.
 """
 
 from __future__ import annotations
@@ -59,6 +65,11 @@ TREND_MIN_R2 = 0.8
 # longer the window, so the longer fit tells a morning's climb from a step that has stopped.
 RISE_FIT_S = 7200.0
 RISE_MIN_BUCKETS = 18
+# The acceptance history: the last hour's buckets (and the one filling) are all a trend needs.
+ACCEPTANCE_KEEP_S = TREND_FIT_S + HISTORY_BUCKET_S
+# A fitted α line forecasts the acceptance only if it moves α by this much within TREND_FIT_S
+# (a measured α wanders by ~0.01 between windows at a steady mix).
+ACCEPTANCE_TREND_MIN = 0.05
 
 
 def backlog_drain_s(rate_rps: float, downtime_s: float, capacity_rps: float) -> float:
@@ -117,16 +128,34 @@ def record_rate(history: RateHistory, now: float, rate_rps: float, bucket_s: flo
     Bounded: at most ``keep_s / bucket_s + 1`` buckets. A sample older than the newest bucket
     (a clock stepped back) is ignored rather than rewriting history.
     """
-    if not (math.isfinite(rate_rps) and rate_rps >= 0.0 and bucket_s > 0):
+    return _record(history, now, rate_rps, bucket_s, keep_s, max)
+
+
+def record_acceptance(
+    history: RateHistory,
+    now: float,
+    alpha: float,
+    bucket_s: float = HISTORY_BUCKET_S,
+    keep_s: float = ACCEPTANCE_KEEP_S,
+) -> RateHistory:
+    """Add one measured per-token acceptance α: each bucket keeps its latest (the source's
+    window already averages it); bounded and ordered as :func:`record_rate`."""
+    if not 0.0 <= alpha <= 1.0:
+        return history
+    return _record(history, now, alpha, bucket_s, keep_s, lambda _old, new: new)
+
+
+def _record(history: RateHistory, now: float, value: float, bucket_s: float, keep_s: float, combine) -> RateHistory:
+    if not (math.isfinite(value) and value >= 0.0 and bucket_s > 0):
         return history
     start = math.floor(now / bucket_s) * bucket_s
     items = list(history)
     if items and start < items[-1][0]:
         return history
     if items and items[-1][0] == start:
-        items[-1] = (start, max(items[-1][1], rate_rps))
+        items[-1] = (start, combine(items[-1][1], value))
     else:
-        items.append((start, rate_rps))
+        items.append((start, value))
     cutoff = now - keep_s
     first = next((i for i, (t, _) in enumerate(items) if t >= cutoff), len(items))
     return tuple(items[first:])
@@ -182,6 +211,25 @@ def steady_rise(history: RateHistory, now: float, rate_rps: float) -> float | No
     if fit is None or fit[0] <= 0.0 or not trend_is_material(fit, rate_rps):
         return None
     return fit[0]
+
+
+def acceptance_trend(history: RateHistory, now: float) -> float | None:
+    """The slope (α per second) of a line through the last hour of measured acceptance that
+    explains it (r² ≥ TREND_MIN_R2: a step to a new mix is not a drift) and moves α by at least
+    ACCEPTANCE_TREND_MIN within the hour; None otherwise (too few buckets, noise, a step)."""
+    fit = history_fit(history, now)
+    if fit is None or not math.isfinite(fit[0]):
+        return None
+    slope, r2 = fit
+    if r2 < TREND_MIN_R2 or abs(slope) * TREND_FIT_S < ACCEPTANCE_TREND_MIN:
+        return None
+    return slope
+
+
+def projected_alpha(alpha: float, slope: float, after_s: float) -> float:
+    """α ``after_s`` from now along the fitted line, followed for at most TREND_FIT_S (the hour
+    that vouches for it) and then held; always a probability."""
+    return min(max(alpha + slope * min(max(after_s, 0.0), TREND_FIT_S), 0.0), 1.0)
 
 
 def rented_gain(gain: float, lasted_s: float, horizon_s: float) -> float:

@@ -49,6 +49,9 @@ class ControllerState:
     switch_wanted_since: float | None = None
     switch_wanted_enabled: bool | None = None
     rate_history: tuple[tuple[float, float], ...] = field(default_factory=tuple)
+    # The last hour of measured per-token acceptance α, bucketed (risk.record_acceptance): its
+    # trend is what the gain of leaving a drifting draft follows.
+    alpha_history: tuple[tuple[float, float], ...] = field(default_factory=tuple)
     # Safety net (policy.safety_net): consecutive ticks of observed SD harm / of a growing queue.
     sd_harm_ticks: int = 0
     queue_growth_ticks: int = 0
@@ -60,6 +63,7 @@ class ControllerState:
         d = dataclasses.asdict(self)
         d["restart_durations_s"] = list(self.restart_durations_s)
         d["rate_history"] = [list(item) for item in self.rate_history]
+        d["alpha_history"] = [list(item) for item in self.alpha_history]
         return {"version": STATE_VERSION, **d}
 
     @classmethod
@@ -84,7 +88,9 @@ class ControllerState:
                     raise ValueError("restart_durations_s must be a list of non-negative numbers")
                 values[name] = tuple(float(v) for v in value)
             elif name == "rate_history":
-                values[name] = _rate_history(value)
+                values[name] = _history(name, value, "rate", math.inf)
+            elif name == "alpha_history":
+                values[name] = _history(name, value, "acceptance in [0, 1]", 1.0)
             elif name in ("applied_enabled", "switch_wanted_enabled"):
                 if value is not None and not isinstance(value, bool):
                     raise ValueError(f"{name} must be true, false or null")
@@ -139,16 +145,19 @@ def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _rate_history(value: Any) -> tuple[tuple[float, float], ...]:
+def _history(name: str, value: Any, what: str, upper: float) -> tuple[tuple[float, float], ...]:
     if not isinstance(value, list):
-        raise ValueError("rate_history must be a list of [time, rate] pairs")
+        raise ValueError(f"{name} must be a list of [time, {what}] pairs")
     out = []
     for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and _finite(item[0]) and _finite(item[1]) and item[1] >= 0):
-            raise ValueError("rate_history must be a list of [time, non-negative rate] pairs")
+        ok = isinstance(item, list) and len(item) == 2 and _finite(item[0]) and _finite(item[1])
+        if not (ok and 0 <= item[1] <= upper):
+            raise ValueError(
+                f"{name} must be a list of [time, {'non-negative ' if upper == math.inf else ''}{what}] pairs"
+            )
         out.append((float(item[0]), float(item[1])))
     if any(b[0] <= a[0] for a, b in itertools.pairwise(out)):
-        raise ValueError("rate_history times must increase")
+        raise ValueError(f"{name} times must increase")
     return tuple(out)
 
 

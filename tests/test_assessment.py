@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from controller.acceptance import alpha_from_vllm_rate
+from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
 from controller.assessment import AcceptanceSource, assess, estimate_acceptance
 from controller.calibration import load
 from controller.model import Workload, predict_point
@@ -415,3 +415,38 @@ def test_a_load_that_cycles_through_the_break_even_is_judged_by_the_cycle(crests
     else:
         assert a.decision_speedup > S.disable_threshold
         assert a.projected_gain_request_s < 0
+
+
+@pytest.mark.parametrize(
+    ("drift_per_h", "enabled", "followed"), [(-0.2, True, True), (0.0, True, False), (-0.2, False, False)]
+)
+def test_the_gain_of_leaving_a_drifting_draft_follows_the_acceptance_line(drift_per_h, enabled, followed):
+    """A steady 5 req/s while α has fallen along a line for an hour (the traffic's mix changing):
+    with SD on, the gain of disabling follows α down for another hour (then holds it), so it is
+    larger than at today's α, and the line counts as the forecast (no rent on the load's age).
+    A flat α, or SD off (α not measured now), leaves the gain at today's α."""
+    model = load(truth_calibration_path()).latency_model()
+    alpha_now = 0.55
+    alphas = [alpha_now - drift_per_h * (12 - k) / 12 for k in range(12)]
+    history = tuple((T - 300.0 * (12 - k), a) for k, a in enumerate(alphas))
+    rate = float(vllm_rate_from_alpha(alpha_now, 4))
+    obs = Observation(
+        T, 5.0, arrival_rate_long_rps=5.0, acceptance_rate=rate if enabled else None, mean_draft_tokens=4.0,
+        mean_prompt_tokens=900.0, mean_gen_tokens=280.0,
+    )  # fmt: skip
+    flat = ControllerState(applied_enabled=enabled, applied_draft_length=4, last_alpha=alpha_now,
+                           last_acceptance_rate=rate, last_acceptance_at=T - 60)  # fmt: skip
+    drifting = ControllerState(**{**flat.__dict__, "alpha_history": history})
+    base = assess(model, S, flat, obs, enabled, 4, T)
+    a = assess(model, S, drifting, obs, enabled, 4, T)
+    assert base.acceptance_trend_per_s is None and not base.horizon_forecast
+    assert (a.acceptance_trend_per_s is not None) is followed
+    assert a.horizon_forecast is followed
+    if followed:
+        assert a.acceptance_trend_per_s * 3600 == pytest.approx(drift_per_h, rel=0.01)
+        assert a.projected_gain_request_s > base.projected_gain_request_s + 0.5 * abs(base.projected_gain_request_s)
+        # ...but no further than α held an hour on: at most the whole horizon at that α
+        p_end = predict_point(model, 5.0, alpha_now + drift_per_h, 4, a.workload)
+        assert a.projected_gain_request_s <= 5.0 * a.gain_horizon_s * (p_end.latency_on_s - p_end.latency_off_s) + 1e-6
+    else:
+        assert a.projected_gain_request_s == pytest.approx(base.projected_gain_request_s)

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import requests
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -51,6 +52,7 @@ def test_record_and_read_back():
     assert g("sd_controller_build_info", {"version": "0.1.0"}) == 1
     assert g("sd_observed_latency_seconds") == 2.1
     assert g("sd_load_cycling") == 0
+    assert g("sd_acceptance_trend_per_hour") == 0
 
 
 def test_a_cycling_load_is_shown():
@@ -59,6 +61,15 @@ def test_a_cycling_load_is_shown():
     reg = CollectorRegistry()
     Exporter(reg).record(160.0, ControllerState(applied_enabled=True), D, replace(A, cycling=True), None, None, ())
     assert reg.get_sample_value("sd_load_cycling") == 1
+
+
+def test_a_drifting_acceptance_is_shown_per_hour():
+    from dataclasses import replace
+
+    reg = CollectorRegistry()
+    a = replace(A, acceptance_trend_per_s=-0.2 / 3600.0)
+    Exporter(reg).record(160.0, ControllerState(applied_enabled=True), D, a, None, None, ())
+    assert reg.get_sample_value("sd_acceptance_trend_per_hour") == pytest.approx(-0.2)
 
 
 def test_served_over_http_and_parsed_back():

@@ -473,6 +473,39 @@ def test_the_rate_history_is_recorded_and_survives_the_state_file():
     assert ControllerState.from_dict(state.to_dict()) == state
 
 
+def test_the_measured_acceptance_is_recorded_and_survives_the_state_file():
+    state = on_state()
+    for i, src in enumerate([AcceptanceSource.MEASURED, AcceptanceSource.MEASURED, AcceptanceSource.LAST]):
+        a = dataclasses.replace(risky(1.5), acceptance=AcceptanceEstimate(0.5, 0.7 - 0.1 * i, src, 0.0))
+        _, state = decide(RISK, state, obs(t=T0 + 300 * i), a, AUTO, T0 + 300 * i)
+    assert [alpha for _, alpha in state.alpha_history] == pytest.approx([0.7, 0.6])  # a remembered one is not news
+    assert ControllerState.from_dict(state.to_dict()) == state
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([[T0, 1.2]], "alpha_history must be a list of [time, acceptance in [0, 1]] pairs"),
+        ([[T0, 0.5], [T0, 0.4]], "alpha_history times must increase"),
+        ("0.5", "alpha_history must be a list of [time, acceptance in [0, 1]] pairs"),
+        ([[T0, -1.0]], "rate_history must be a list of [time, non-negative rate] pairs"),
+    ],
+)
+def test_a_state_file_history_that_is_off_is_named(value, message):
+    raw = on_state().to_dict()
+    raw["rate_history" if "rate_history" in message else "alpha_history"] = value
+    with pytest.raises(ValueError) as e:
+        ControllerState.from_dict(raw)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize(("trend", "said"), [(-0.2 / 3600, "acceptance falling 0.20/h"), (None, None)])
+def test_a_decision_says_when_its_gain_followed_the_acceptance(trend, said):
+    d, _ = decide(RISK, on_state(), obs(), risky(0.9, acceptance_trend_per_s=trend), AUTO, T0)
+    assert d.action is Action.NONE  # the filter still waits
+    assert (said in d.detail) if said else ("acceptance" not in d.detail)
+
+
 def test_events_are_typed_and_keep_their_log_form():
     from controller.events import Event, EventKind
 

@@ -6,7 +6,9 @@ import math
 import pytest
 
 from controller.risk import (
+    ACCEPTANCE_KEEP_S,
     DAY_S,
+    acceptance_trend,
     backlog_drain_s,
     cycle_rates,
     excursion_filter_s,
@@ -16,6 +18,8 @@ from controller.risk import (
     history_fit,
     in_startup_hold,
     persisted_since,
+    projected_alpha,
+    record_acceptance,
     record_rate,
     rented_gain,
     steady_rise,
@@ -260,3 +264,52 @@ def test_a_cycle_is_read_within_its_window_only():
     history = _buckets([3, 13, 13, 3, 3, 13, 3, 3])
     assert cycle_rates(history, T0, 3.0, 6.0, 9.0, window_s=8 * 300.0) is not None
     assert cycle_rates(history, T0, 3.0, 6.0, 9.0, window_s=5 * 300.0) is None
+
+
+def test_record_acceptance_keeps_the_bucket_latest_and_only_the_last_hour():
+    h = ()
+    for t, a in [(0, 0.70), (100, 0.72), (299, 0.69), (300, 0.65)]:
+        h = record_acceptance(h, T0 + t, a)
+    start = math.floor(T0 / 300) * 300
+    assert h == ((start, 0.69), (start + 300, 0.65))  # the source's window already averages
+    for i in range(100):
+        h = record_acceptance(h, T0 + 600 + 300 * i, 0.6)
+    assert len(h) <= ACCEPTANCE_KEEP_S / 300 + 1
+
+
+@pytest.mark.parametrize("bad", [math.nan, -0.1, 1.5, math.inf])
+def test_record_acceptance_ignores_what_is_not_a_probability(bad):
+    assert record_acceptance(((T0, 0.6),), T0 + 300, bad) == ((T0, 0.6),)
+
+
+@pytest.mark.parametrize(
+    ("alphas", "expected"),
+    [
+        ([0.80 - 0.02 * k for k in range(12)], -0.02 / 300.0),  # −0.24 an hour along a clean line
+        ([0.60 + 0.01 * k for k in range(12)], 0.01 / 300.0),  # rising counts as well
+        ([0.70 - 0.003 * k for k in range(12)], None),  # −0.036 an hour: a steady mix's wander
+        ([0.70 + (0.01 if k % 2 else -0.01) for k in range(12)], None),  # noise, no line
+        ([0.80 if k < 6 else 0.50 for k in range(12)], None),  # a step to a new mix is not a drift
+        ([0.80 - 0.02 * k for k in range(5)], None),  # too few buckets
+        # a clean line with a measured wander on it still counts
+        ([0.80 - 0.02 * k + (0.005 if k % 2 else -0.005) for k in range(12)], -0.02 / 300.0),
+    ],
+)
+def test_an_acceptance_trend_is_a_steady_line_that_moves_alpha(alphas, expected):
+    got = acceptance_trend(_buckets(alphas), T0)
+    assert got == (None if expected is None else pytest.approx(expected, rel=0.05))
+
+
+@pytest.mark.parametrize(
+    ("alpha", "slope", "after", "expected"),
+    [
+        (0.6, -0.2 / 3600, 1800.0, 0.5),  # along the line
+        (0.6, -0.2 / 3600, 3600.0, 0.4),
+        (0.6, -0.2 / 3600, 4 * 3600.0, 0.4),  # the hour that vouches for it, then held
+        (0.1, -0.2 / 3600, 3600.0, 0.0),  # never below 0
+        (0.9, 0.2 / 3600, 3600.0, 1.0),  # nor above 1
+        (0.6, -0.2 / 3600, -60.0, 0.6),  # nothing before now
+    ],
+)
+def test_projected_alpha_follows_the_line_for_an_hour_and_stays_a_probability(alpha, slope, after, expected):
+    assert projected_alpha(alpha, slope, after) == pytest.approx(expected)
