@@ -13,6 +13,7 @@ from enum import StrEnum
 from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
 from controller.config import PolicyConfig
 from controller.model import (
+    INTERVAL_Z,
     LatencyModel,
     Workload,
     best_draft_length,
@@ -34,6 +35,7 @@ from controller.risk import (
     forecast_peak,
     forecast_time_to,
     history_fit,
+    overload_predates_history,
     projected_alpha,
     recent_peak,
     steady_rise,
@@ -160,6 +162,9 @@ class Assessment:
     # SD on with its acceptance drifting along a line through the last hour
     # (risk.acceptance_trend, α per second): the gain of disabling follows it. None: no drift.
     acceptance_trend_per_s: float | None = None
+    # The applied state is overloaded and has been in every bucket of the rate history (a launch
+    # into it): no excursion, so the filter is the restart's outage only (risk.overload_predates_history).
+    overload_predates_history: bool = False
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -416,12 +421,27 @@ def assess(
             path.append(point)
         gain = path_gain(path, step) if path else switch_gain(here[0], step, *here[1:])
     now_cur = now_p.latency_on_s if currently_on else now_p.latency_off_s
+    applied_overloaded = congested or math.isinf(now_cur)
+    # An overload the controller never saw arrive (it was there before the history began: a
+    # launch into it) is no excursion: the launched state is clearly wrong and only the
+    # restart's own outage is filtered. A surge seen arriving must outlast its recovery.
+    predates = (
+        applied_overloaded
+        and settings.price_switches
+        and overload_predates_history(state.rate_history, settings.capacity_headroom * cap_cur)
+    )
+    # Near the new state's limit the drain λ·D/(μ − λ) swings with every percent of μ: the
+    # filter takes the end of the capacity's prediction interval that argues against the
+    # switch (the calibration's residuals), so a noisy minute cannot shorten it below what the
+    # model cannot rule out. (The switch's price stays at the model's own capacity.)
+    sd_new = model.relative_sd_off if currently_on else model.relative_sd_on
+    backlog_s = backlog_drain_s(eval_rate, downtime, drain_capacity / (1.0 + INTERVAL_Z * sd_new))
     filter_s = excursion_filter_s(
         downtime,
         settings.restart_drain_s,
         settings.excursion_filter_s,
         # Behind a router the other replicas carry the outage's arrivals: no backlog of ours.
-        backlog_drain_s(eval_rate, downtime, drain_capacity) if settings.replicas <= 1 else 0.0,
+        backlog_s if settings.replicas <= 1 and not predates else 0.0,
         settings.excursion_filter_max_s,
     )
     early, fire_in = 0.0, None
@@ -482,7 +502,8 @@ def assess(
         # So is an acceptance drifting along a line: the load is not what changed.
         horizon_forecast=history_peak is not None or material or bool(cycle_points) or drift is not None,
         excursion_filter_s=filter_s,
-        applied_overloaded=congested or math.isinf(now_cur),
+        applied_overloaded=applied_overloaded,
+        overload_predates_history=predates,
         early_disable_saving_request_s=early,
         rule_disable_in_s=fire_in,
         cycling=bool(cycle_points),

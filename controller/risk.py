@@ -16,7 +16,9 @@ table-tested one by one, the way the Kubernetes HPA tests its stabilization wind
   oscillation, a run of spikes) is judged by those hours' rates, not the phase it is in now
   (:func:`cycle_rates`): each crest and trough is shorter than the excursion filter.
 * **Startup hold.** A controller that just started has no trend and no history of its own: it
-  keeps the state vLLM was launched with unless that state is clearly wrong now.
+  keeps the state vLLM was launched with unless that state is clearly wrong now. An overload
+  that every bucket of the history has held (:func:`overload_predates_history`) is no
+  excursion: only the restart's own outage is filtered, not the backlog's drain.
 * **A load lasts about as long as it has lasted.** When nothing forecasts how long the load
   that wants a switch will last (no earlier days in the history, no material trend), the
   scale-free prior is Gott's (Lindy's): a load seen for ``a`` seconds is still there ``T``
@@ -120,6 +122,14 @@ def persisted_since(
     if since is not None and since_enabled == want_enabled and since <= now:
         return since, want_enabled
     return now, want_enabled
+
+
+def overload_predates_history(history: RateHistory, overload_rps: float) -> bool:
+    """Whether every bucket the controller has seen held a load of at least ``overload_rps``
+    (the rate at which the applied state counts as overloaded): the overload was there before
+    the controller was, so it is no excursion from anything it knows. A load seen arriving from
+    below (a surge) is one, and must outlast its recovery like any other."""
+    return bool(history) and all(r >= overload_rps for _, r in history)
 
 
 def record_rate(history: RateHistory, now: float, rate_rps: float, bucket_s: float, keep_s: float) -> RateHistory:

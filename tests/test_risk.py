@@ -17,6 +17,7 @@ from controller.risk import (
     forecast_time_to,
     history_fit,
     in_startup_hold,
+    overload_predates_history,
     persisted_since,
     projected_alpha,
     record_acceptance,
@@ -313,3 +314,16 @@ def test_an_acceptance_trend_is_a_steady_line_that_moves_alpha(alphas, expected)
 )
 def test_projected_alpha_follows_the_line_for_an_hour_and_stays_a_probability(alpha, slope, after, expected):
     assert projected_alpha(alpha, slope, after) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("rates", "predates"),
+    [
+        ([14.8, 15.1, 14.9], True),  # overloaded in every bucket the controller has seen: a launch into it
+        ([3.0, 3.0, 14.8, 15.1], False),  # seen arriving from below: a surge, an excursion
+        ([14.8, 13.0, 14.9], False),  # it dipped below once: it came and went
+        ([], False),  # nothing seen yet says nothing
+    ],
+)
+def test_an_overload_predates_the_history_only_if_every_bucket_held_it(rates, predates):
+    assert overload_predates_history(_buckets(rates), 14.0) is predates

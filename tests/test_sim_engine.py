@@ -92,6 +92,25 @@ def test_hook_protocol(model):
     assert st.phase is HookPhase.READY and st.applied_enabled is False and st.restart_durations_s
 
 
+def test_a_change_asked_for_in_the_warm_up_starts_when_it_ends(model):
+    """A benchmark's warm-up is unmeasured: the launch state holds through it for every plan,
+    the controller's too. The change waits (the hook says it is in flight) and starts then."""
+    e = Engine(scenario(2.0), model)
+    hook = SimHook(e, hold_until_s=300.0)
+    e.advance_to(240)
+    hook.request(ChangeRequest(enabled=False, num_speculative_tokens=None, reason="test"))
+    assert e.restart_count == 0 and hook.status().phase is HookPhase.RESTARTING
+    e.advance_to(280)
+    hook.release()
+    assert e.restart_count == 0 and e.applied.enabled  # still held
+    e.advance_to(300)
+    hook.release()
+    assert e.restart_count == 1 and e.phase.value != "ready"
+    e.advance_to(400)
+    st = hook.status()
+    assert st.phase is HookPhase.READY and st.applied_enabled is False
+
+
 def test_tokens_per_step_moments_match_sampling():
     rng = np.random.default_rng(0)
     alpha, gamma = 0.7, 4

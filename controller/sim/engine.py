@@ -736,18 +736,31 @@ class Engine:
 class SimHook:
     """The :class:`controller.hooks.base.Hook` protocol, applied inside the simulation."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, hold_until_s: float = 0.0) -> None:
         self.engine = engine
         self.requests: list[tuple[float, ChangeRequest]] = []
+        # A benchmark's warm-up is unmeasured: a restart in it would hide its own outage, so the
+        # launch state holds until then for every plan, and a change asked for earlier starts then.
+        self.hold_until_s = hold_until_s
+        self.deferred: ChangeRequest | None = None
 
     def request(self, change: ChangeRequest) -> None:
         self.requests.append((self.engine.t, change))
+        if self.engine.t < self.hold_until_s:
+            self.deferred = change
+            return
         self.engine.request_restart(change.enabled, change.num_speculative_tokens)
+
+    def release(self) -> None:
+        """Start a change deferred by the hold once it is over (the runner calls it every tick)."""
+        if self.deferred is not None and self.engine.t >= self.hold_until_s and self.engine.phase is Phase.READY:
+            change, self.deferred = self.deferred, None
+            self.engine.request_restart(change.enabled, change.num_speculative_tokens)
 
     def status(self) -> HookStatus:
         e = self.engine
         return HookStatus(
-            phase=HookPhase.READY if e.phase is Phase.READY else HookPhase.RESTARTING,
+            phase=HookPhase.READY if e.phase is Phase.READY and self.deferred is None else HookPhase.RESTARTING,
             applied_enabled=e.applied.enabled,
             applied_draft_length=e.applied.num_speculative_tokens if e.applied.enabled else None,
             restart_durations_s=tuple(e.restart_durations_s[-MAX_RESTART_DURATIONS:]),

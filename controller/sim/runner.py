@@ -119,14 +119,15 @@ def run_controller(
     warmup_s: float = 0.0,
 ) -> RunResult:
     """The real controller loop against the simulator (``model`` drives the simulator;
-    ``controller_model``, default the same, is what the controller believes)."""
+    ``controller_model``, default the same, is what the controller believes). The launch state
+    holds through ``warmup_s`` (unmeasured), as for every plan a benchmark compares it with."""
     from controller.loop import Controller
     from controller.sources.vllm_metrics import VllmMetricsSource
     from controller.state_store import MemoryStateStore
 
     settings = settings or default_settings()
     engine = Engine(scenario, model, seed=seed)
-    hook = SimHook(engine)
+    hook = SimHook(engine, hold_until_s=warmup_s)
     source = VllmMetricsSource(
         fetch=engine.render_metrics,
         rate_window_s=settings.rate_window_s,
@@ -145,6 +146,7 @@ def run_controller(
     result = RunResult("controller", scenario, engine, warmup_s=warmup_s)
 
     def decide() -> TickRecord:
+        hook.release()
         r = ctl.tick()
         a = r.assessment
         obs = r.observation
