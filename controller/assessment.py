@@ -162,8 +162,9 @@ class Assessment:
     # SD on with its acceptance drifting along a line through the last hour
     # (risk.acceptance_trend, α per second): the gain of disabling follows it. None: no drift.
     acceptance_trend_per_s: float | None = None
-    # The applied state is overloaded and has been in every bucket of the rate history (a launch
-    # into it): no excursion, so the filter is the restart's outage only (risk.overload_predates_history).
+    # The applied state is congested and its overload has held in every bucket of the rate history
+    # (a launch into it): no excursion, so the filter is the restart's outage only
+    # (risk.overload_predates_history).
     overload_predates_history: bool = False
 
     def latency_s(self, enabled: bool) -> float:
@@ -424,9 +425,12 @@ def assess(
     applied_overloaded = congested or math.isinf(now_cur)
     # An overload the controller never saw arrive (it was there before the history began: a
     # launch into it) is no excursion: the launched state is clearly wrong and only the
-    # restart's own outage is filtered. A surge seen arriving must outlast its recovery.
+    # restart's own outage is filtered. A surge seen arriving must outlast its recovery. The
+    # server must show it (a full batch with a queue): a foreign calibration that prices this
+    # server 2.6× slower predicts an overload at every load, and its first hour is the online
+    # correction's.
     predates = (
-        applied_overloaded
+        congested
         and settings.price_switches
         and overload_predates_history(state.rate_history, settings.capacity_headroom * cap_cur)
     )

@@ -17,8 +17,9 @@ table-tested one by one, the way the Kubernetes HPA tests its stabilization wind
   (:func:`cycle_rates`): each crest and trough is shorter than the excursion filter.
 * **Startup hold.** A controller that just started has no trend and no history of its own: it
   keeps the state vLLM was launched with unless that state is clearly wrong now. An overload
-  that every bucket of the history has held (:func:`overload_predates_history`) is no
-  excursion: only the restart's own outage is filtered, not the backlog's drain.
+  the server shows (a full batch with a queue) that every bucket of the history has held
+  (:func:`overload_predates_history`) is no excursion: only the restart's own outage is
+  filtered, not the backlog's drain.
 * **A load lasts about as long as it has lasted.** When nothing forecasts how long the load
   that wants a switch will last (no earlier days in the history, no material trend), the
   scale-free prior is Gott's (Lindy's): a load seen for ``a`` seconds is still there ``T``

@@ -452,30 +452,33 @@ def test_the_gain_of_leaving_a_drifting_draft_follows_the_acceptance_line(drift_
         assert a.projected_gain_request_s == pytest.approx(base.projected_gain_request_s)
 
 
-@pytest.mark.parametrize("seen", ["launched into it", "seen arriving"])
+@pytest.mark.parametrize("seen", ["launched into it", "predicted only", "seen arriving"])
 def test_an_overload_the_controller_never_saw_arrive_is_no_excursion(seen):
     """SD on at 14.8 req/s, past its limit, SD off just able to carry it. Launched into it
-    (every bucket overloaded), the filter is the restart's outage only; seen arriving from
-    3 req/s (a surge) it is the outage plus working off its backlog, at the end of the SD-off
-    capacity's interval that argues against the switch: longer than at the model's own capacity."""
+    (every bucket overloaded, and the server shows it: a full batch with a queue), the filter is
+    the restart's outage only. An overload the model predicts and the server does not show (a
+    foreign calibration's) is filtered in full. Seen arriving from 3 req/s (a surge) it is the
+    outage plus working off its backlog, at the end of the SD-off capacity's interval that
+    argues against the switch: longer than at the model's own capacity."""
+    import dataclasses
+
     model = load(truth_calibration_path()).latency_model()
     assert model.relative_sd_off > 0
-    rates = [14.8] * 6 if seen == "launched into it" else [3.0] * 12 + [14.8] * 3
+    rates = [3.0] * 12 + [14.8] * 3 if seen == "seen arriving" else [14.8] * 6
     history = tuple((T - 300.0 * (len(rates) - k), r) for k, r in enumerate(rates))
+    shown = {} if seen == "predicted only" else {"running": float(model.max_num_seqs), "waiting": 40.0}
     obs = Observation(
         T, 14.8, arrival_rate_long_rps=14.8, acceptance_rate=0.38, mean_draft_tokens=4.0,
-        mean_prompt_tokens=900.0, mean_gen_tokens=280.0,
+        mean_prompt_tokens=900.0, mean_gen_tokens=280.0, **shown,
     )  # fmt: skip
     state = ControllerState(applied_enabled=True, applied_draft_length=4, rate_history=history)
     a = assess(model, S, state, obs, True, 4, T)
     assert a.applied_overloaded
     outage = a.restart_downtime_s + S.restart_drain_s
+    assert a.overload_predates_history is (seen == "launched into it")
     if seen == "launched into it":
-        assert a.overload_predates_history and a.excursion_filter_s == pytest.approx(outage)
+        assert a.excursion_filter_s == pytest.approx(outage)
     else:
-        import dataclasses
-
         exact = dataclasses.replace(model, relative_sd_off=0.0)  # the same model, no interval
         central = assess(exact, S, state, obs, True, 4, T).excursion_filter_s
-        assert not a.overload_predates_history
         assert a.excursion_filter_s > central > outage
