@@ -206,7 +206,7 @@ class PricingSettings(BaseModel):
     excursion_filter_s: float | None = Field(
         None,
         ge=0,
-        description="A switch signal must persist this long before it acts: a load excursion shorter than a restart's recovery is over before the switch could help. Unset: the restart downtime estimate plus restart_drain_s plus the time the new state needs to work off the outage's backlog (λ·D/(μ − λ), μ at the low end of its prediction interval; none for an overload the rate history never saw arrive), at most excursion_filter_max_s.",
+        description="A switch signal must persist this long before it acts: a load excursion shorter than a restart's recovery is over before the switch could help. Unset: the restart downtime estimate plus restart_drain_s plus the time the new state needs to work off the outage's backlog (λ·D/(μ − λ), μ at the low end of its prediction interval; none for an overload the server shows and the rate history never saw arrive), at most excursion_filter_max_s.",
     )
     excursion_filter_max_s: float = Field(
         3600.0,
