@@ -209,10 +209,16 @@ def trend_is_material(fit: tuple[float, float] | None, rate_rps: float) -> bool:
     by at least TREND_MIN_CHANGE of it (and TREND_MIN_RPS) within TREND_FIT_S, either way. Then
     the line, not the load's age, says where the load goes (and
     :func:`~controller.switch_cost.gain_horizon` when it undoes the switch)."""
+    return _steady_line(fit, max(TREND_MIN_CHANGE * rate_rps, TREND_MIN_RPS))
+
+
+def _steady_line(fit: tuple[float, float] | None, min_change: float) -> bool:
+    """A fitted ``(slope, r²)`` that explains the hour (r² ≥ TREND_MIN_R2) and moves the value
+    by at least ``min_change`` within TREND_FIT_S, either way."""
     if fit is None or not math.isfinite(fit[0]):
         return False
     slope, r2 = fit
-    return r2 >= TREND_MIN_R2 and abs(slope) * TREND_FIT_S >= max(TREND_MIN_CHANGE * rate_rps, TREND_MIN_RPS)
+    return r2 >= TREND_MIN_R2 and abs(slope) * TREND_FIT_S >= min_change
 
 
 def steady_rise(history: RateHistory, now: float, rate_rps: float) -> float | None:
@@ -229,12 +235,7 @@ def acceptance_trend(history: RateHistory, now: float) -> float | None:
     explains it (r² ≥ TREND_MIN_R2: a step to a new mix is not a drift) and moves α by at least
     ACCEPTANCE_TREND_MIN within the hour; None otherwise (too few buckets, noise, a step)."""
     fit = history_fit(history, now)
-    if fit is None or not math.isfinite(fit[0]):
-        return None
-    slope, r2 = fit
-    if r2 < TREND_MIN_R2 or abs(slope) * TREND_FIT_S < ACCEPTANCE_TREND_MIN:
-        return None
-    return slope
+    return fit[0] if _steady_line(fit, ACCEPTANCE_TREND_MIN) else None
 
 
 def projected_alpha(alpha: float, slope: float, after_s: float) -> float:
