@@ -140,6 +140,7 @@ class Assessment:
     undo_cost_request_s: float = 0.0
     excursion_filter_s: float = 0.0
     applied_overloaded: bool = False
+    rise_rps: float | None = None  # the rate projected by a rise beyond the windows' noise (None: no rise)
     # The running mode's smoothed observed / predicted latency (the shell fills it in from the
     # learner; None: no evidence yet). A model that misses the state it watches by more than
     # model_error_threshold is not trusted with a restart.
@@ -215,9 +216,15 @@ def assess(
         # the quarter hour's rate, the forecast or a rise beyond the windows' noise. The
         # noisiest minute of a steady 13.5 req/s passes 98 % of a 14.6 req/s limit every
         # quarter hour, and a restart on it is a loss whenever the load ends within the hour.
-        sustained = max(obs.arrival_rate_long_rps or rate, soon, ahead if ahead > rate else 0.0)
+        # A rise counts there only when the last tick saw one too: Poisson noise passes the
+        # windows' 3 σ once in ~700 minutes, so a steady 13.5 req/s throws a 15 req/s "rise"
+        # every few hours, and on one of them a restart out of a stable SD cost 1.3× riding it.
+        rise = ahead if ahead > rate else None
+        seen_twice = min(rise, state.last_rise_rps) if rise is not None and state.last_rise_rps is not None else 0.0
+        sustained = max(obs.arrival_rate_long_rps or rate, soon, seen_twice)
     else:
         eval_rate = trend_rate = sustained = rate
+        rise = None
     best = best_draft_length(model, eval_rate, acc.alpha, workload, settings.draft_length_candidates)
     gamma_on = (
         applied_draft_length
@@ -323,9 +330,12 @@ def assess(
         return r, lc, ln, cc, cn
 
     here = priced(eval_rate, eval_p)
-    if sustained < eval_rate and math.isinf(here[1]) and not math.isinf(here[2]):
+    if sustained < eval_rate and math.isinf(here[1]):
         # The current state overloaded at the peak minute only: leaving it is priced at the
-        # lasting load. (Entering an overload stays judged at the peak: SD's catastrophic side.)
+        # lasting load. (Entering an overload stays judged at the peak, SD's catastrophic side,
+        # where the current state is not overloaded too: a minute that overloads both says
+        # nothing of which to run, and "the larger capacity wins" on it had restarted a stable
+        # SD at a steady 13.5 req/s into 1.26× the latency of riding it out.)
         here = priced(sustained, predict_point(model, sustained, acc.alpha, gamma_on, workload, en))
     if congested:
         here = (here[0], math.inf, *here[2:])
@@ -507,6 +517,7 @@ def assess(
         horizon_forecast=history_peak is not None or material or bool(cycle_points) or drift is not None,
         excursion_filter_s=filter_s,
         applied_overloaded=applied_overloaded,
+        rise_rps=rise,
         overload_predates_history=predates,
         early_disable_saving_request_s=early,
         rule_disable_in_s=fire_in,

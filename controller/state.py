@@ -56,6 +56,9 @@ class ControllerState:
     sd_harm_ticks: int = 0
     queue_growth_ticks: int = 0
     last_waiting: float | None = None
+    # The last tick's rate rising beyond the rate windows' noise (None: it did not): a rise
+    # that overloads the applied state must show on two ticks running (assessment.assess).
+    last_rise_rps: float | None = None
     queue_growth_from: float | None = None  # waiting when the growth run began
     queue_growth_since: float | None = None
 

@@ -1,5 +1,6 @@
 """From observation to assessment: acceptance source, workload memory, projection, pricing."""
 
+import dataclasses
 import math
 
 import pytest
@@ -234,6 +235,47 @@ def test_leaving_sd_is_an_overload_only_when_the_lasting_load_is_past_the_headro
     assert a.decision_speedup < S.disable_threshold
     assert (a.projected_gain_request_s == float("inf")) is overloaded
     assert overloaded or math.isfinite(a.projected_gain_request_s)
+
+
+def test_a_minute_that_overloads_both_states_leaves_the_lasting_load_to_price_the_switch():
+    """The busiest minute past both limits says nothing of which state to run: without the
+    lasting load "the larger capacity wins" made leaving a stable SD worth any restart."""
+    from controller.model import stability_limits
+
+    lim_off, lim_on = stability_limits(MODEL, float(alpha_from_vllm_rate(0.6, 4)), 4, Workload(512, 256))
+    obs, _ = _near_sd_limit(0.93)
+    obs = dataclasses.replace(obs, arrival_rate_peak_rps=1.02 * max(lim_on, lim_off))
+    a = assess(MODEL, S, ControllerState(applied_enabled=True, applied_draft_length=4), obs, True, 4, T)
+    assert a.projected_rate_rps == pytest.approx(1.02 * max(lim_on, lim_off))
+    assert math.isfinite(a.projected_gain_request_s)
+
+
+@pytest.mark.parametrize(("last_rise", "overloaded"), [(None, False), (0.5, False), (1.1, True)])
+def test_a_rise_overloads_the_applied_state_only_when_two_ticks_saw_it(last_rise, overloaded):
+    """A minute 3 σ above a steady load near SD's limit projects a rise past it; one such minute
+    is noise (a few an afternoon), not a lasting overload: leaving SD stays priced (finite)
+    unless the last tick saw the rise too (``last_rise`` as a share of SD's limit)."""
+    from controller.model import stability_limits
+
+    _, lim_on = stability_limits(MODEL, float(alpha_from_vllm_rate(0.6, 4)), 4, Workload(512, 256))
+    obs = Observation(
+        T,
+        0.98 * lim_on,  # this minute, far above the quarter hour's 0.86: beyond the windows' noise
+        arrival_rate_long_rps=0.86 * lim_on,
+        acceptance_rate=0.6,
+        mean_draft_tokens=4.0,
+        mean_prompt_tokens=512,
+        mean_gen_tokens=256,
+    )
+    last = None if last_rise is None else last_rise * lim_on
+    on = ControllerState(applied_enabled=True, applied_draft_length=4, last_rise_rps=last)
+    a = assess(MODEL, S, on, obs, True, 4, T)
+    assert a.rise_rps is not None and a.rise_rps > lim_on  # the rise this tick projects
+    assert a.projected_rate_rps == pytest.approx(a.rise_rps)  # the speedup still reads it
+    assert (a.projected_gain_request_s == float("inf")) is overloaded
+    # What the next tick compares with (policy._remember keeps it in the state).
+    calm = assess(MODEL, S, on, dataclasses.replace(obs, arrival_rate_rps=0.86 * lim_on), True, 4, T)
+    assert calm.rise_rps is None
 
 
 def test_entering_sd_stays_judged_at_the_busiest_minute():

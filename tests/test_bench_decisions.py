@@ -139,3 +139,58 @@ def test_rerun_refuses_a_scenario_the_full_run_does_not_have(tmp_path, capsys):
     assert mod.main([str(tmp_path), "--scenarios", "low-load,nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"bench_decisions_rerun: not in {tmp_path / 'decisions.json'}: nope"]
+
+
+def _seeds_module():
+    spec = importlib.util.spec_from_file_location("seeds", ROOT / "bench" / "bench_decisions_seeds.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _full_run_dir(tmp_path: Path, controller_s: float = 2.0) -> Path:
+    """A full run's output as the seeds bench reads it: one tiny scenario launched on."""
+    outcome = {"toggles": 0, "mean_latency_s": controller_s}
+    row = {
+        "name": str(TINY),
+        "category": decisions.FUTURE,
+        "duration_s": 1200.0,
+        "limits": TINY_LIMITS.__dict__,
+        "starts": [{"start": "on", "controller": outcome, "oracle": outcome, "not_acting": outcome}],
+    }
+    (tmp_path / "decisions.json").write_text(json.dumps({"scenarios": [row]}))
+    truth_cal = ROOT / "controller" / "data" / "truth-calibration.json"
+    (tmp_path / decisions.CALIBRATION_FILE).write_text(truth_cal.read_text())
+    return tmp_path
+
+
+def test_seeds_bench_refuses_unknown_scenarios_and_bad_seeds(tmp_path, capsys):
+    full = _full_run_dir(tmp_path)
+    assert _seeds_module().main([str(full), "--scenarios", "nope"]) == 2
+    assert capsys.readouterr().err.strip() == f"bench_decisions_seeds: not in {full / 'decisions.json'}: nope"
+    assert _seeds_module().main([str(full), "--scenarios", str(TINY), "--seeds", "1,x"]) == 2
+    assert "--seeds must be integers" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_seeds_bench_reruns_a_scenario_on_another_draw(tmp_path, capsys):
+    full = _full_run_dir(tmp_path)
+    out = tmp_path / "seeds.md"
+    rc = _seeds_module().main(
+        [str(full), "--scenarios", str(TINY), "--starts", "on", "--seeds", "7", "--jobs", "1", "--out", str(out)]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    got = {}
+    for x in text.splitlines():
+        if " seed " in x and " ctl " in x:
+            ctl, orc = (float(x.split(k)[1].split()[0]) for k in (" ctl ", " oracle "))
+            got[int(x.split(" seed ")[1].split()[0])] = (ctl, orc)
+    own = scenarios.load(str(TINY)).seed
+    assert set(got) == {own, 7}  # the scenario's own draw is re-run too, first in the table
+    assert got[own] != got[7]  # another draw: other arrivals, another oracle
+    (row,) = [x for x in out.read_text().splitlines() if x.startswith(f"| {TINY} | on |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == ", ".join(f"{c / o:.3f}" for c, o in (got[own], got[7]))
+    assert cells[4] == f"{max(c / o for c, o in got.values()):.3f}"
+    assert cells[6].endswith("of 2")

@@ -482,6 +482,14 @@ def test_the_measured_acceptance_is_recorded_and_survives_the_state_file():
     assert ControllerState.from_dict(state.to_dict()) == state
 
 
+def test_the_last_ticks_rise_is_kept_for_the_next_and_survives_the_state_file():
+    state = on_state()
+    for i, rise in enumerate([None, 14.8, 15.1, None]):
+        _, state = decide(RISK, state, obs(t=T0 + 60 * i), dataclasses.replace(risky(1.5), rise_rps=rise), AUTO, T0)
+        assert state.last_rise_rps == rise
+        assert ControllerState.from_dict(state.to_dict()) == state
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

@@ -15,7 +15,7 @@ from its real context (causal triangle included), the LM head only for sampled p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
@@ -85,6 +85,18 @@ H100_SXM = GpuSpec(name="H100-SXM-80GB", peak_flops=989e12, hbm_bytes_per_s=3.35
 # Another GPU, for a calibration measured elsewhere (bench/bench_miscalibrated.py): datasheet
 # numbers only, the same efficiencies.
 A100_SXM = GpuSpec(name="A100-SXM-80GB", peak_flops=312e12, hbm_bytes_per_s=2.039e12, memory_bytes=80 * GIB)
+# A second truth for the fidelity bench (bench_fidelity.py --truth a100-coarse), held out from
+# the model's development: another GPU, GEMMs padded to 128-token tiles (a coarser staircase
+# than the H100's 64), a slower scheduler and more per-sequence bookkeeping.
+A100_COARSE = replace(
+    A100_SXM,
+    name="A100-SXM-80GB (128-token tiles, slower host)",
+    tile_tokens=128,
+    gemm_eff_large=0.6,
+    launch_overhead_s=0.4e-3,
+    step_overhead_s=0.8e-3,
+    per_seq_overhead_s=30e-6,
+)
 LLAMA_3_1_8B = ModelSpec(
     name="Llama-3.1-8B", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256
 )
