@@ -71,11 +71,6 @@ class DecisionSettings(BaseModel):
         ge=0,
         description="With online correction, enabling also takes this many posterior standard deviations of the log speedup off its pessimistic end (combined with the calibration's interval, which is 1.645 σ: both ≈ 90 %): what SD-off evidence cannot pin down (the draft's own terms, the split of the target's fixed and load costs at one load) must not talk the controller into a restart. 0: the calibration's interval only.",
     )
-    enable_pessimistic_threshold: float | None = Field(
-        None,
-        gt=0,
-        description="With enable_on_pessimistic_speedup: the pessimistic end (the calibration's interval and enable_posterior_z, in quadrature) must clear this, and the interval's middle enable_threshold. None: the pessimistic end must clear enable_threshold itself.",
-    )
     disable_threshold: float = Field(1.05, gt=0, description="Disable SD when the predicted speedup is below this.")
     dwell_s: float = Field(300.0, ge=0, description="Minimum seconds between two applied changes.")
     pending_timeout_s: float = Field(

@@ -311,16 +311,11 @@ def decide(
         # to have paid for it): the model's own rule decides, and may still act.
     on = state.applied_enabled
     s = assessment.decision_speedup
-    lo_ok = True
     if not on and settings.enable_on_pessimistic_speedup:
         # Enabling is a restart on the model's word: its word net of what the evidence leaves open.
-        lo = pessimistic_speedup(assessment, settings.enable_posterior_z)
-        if settings.enable_pessimistic_threshold is None:
-            s = lo
-        else:
-            s, lo_ok = _interval_middle(assessment), lo > settings.enable_pessimistic_threshold
+        s = pessimistic_speedup(assessment, settings.enable_posterior_z)
     want_off = on and (floor_hit or s < settings.disable_threshold)
-    want_on = (not on) and s > settings.enable_threshold and lo_ok
+    want_on = (not on) and s > settings.enable_threshold
     # A steady rise toward SD's break-even will force the restart off anyway; once its backlog
     # grows faster than SD's last gains, now is the cheapest time for it.
     early = (
@@ -359,15 +354,11 @@ def decide(
     if (since, since_enabled) != (state.switch_wanted_since, state.switch_wanted_enabled):
         state = dataclasses.replace(state, switch_wanted_since=since, switch_wanted_enabled=since_enabled)
     if not (want_off or want_on):
-        if on:
-            detail = f"SD on, speedup {s:.3f} >= disable threshold {settings.disable_threshold}"
-        elif not lo_ok:
-            detail = (
-                f"SD off, speedup {s:.3f} > enable threshold {settings.enable_threshold}, but its pessimistic end "
-                f"{lo:.3f} <= {settings.enable_pessimistic_threshold}"
-            )
-        else:
-            detail = f"SD off, speedup {s:.3f} <= enable threshold {settings.enable_threshold}"
+        detail = (
+            f"SD on, speedup {s:.3f} >= disable threshold {settings.disable_threshold}"
+            if on
+            else f"SD off, speedup {s:.3f} <= enable threshold {settings.enable_threshold}"
+        )
         return out(Action.NONE, Reason.STEADY, detail, on, state)
 
     if floor_hit:
@@ -476,13 +467,6 @@ def decide(
             )
     action = Action.DISABLE if want_off else Action.ENABLE
     return out(action, reason, detail, not on, state)
-
-
-def _interval_middle(a: Assessment) -> float:
-    """The speedup enabling is judged by, before any interval is taken off: the projected
-    rate's (the cycle's when the load cycles, as the decision's own)."""
-    mid = a.projected_speedup if math.isfinite(a.projected_speedup) else a.decision_speedup
-    return min(mid, a.trend_speedup) if a.cycling and math.isfinite(a.trend_speedup) else mid
 
 
 def _short_of_release(settings: PolicyConfig, state: ControllerState, on: bool, s: float, t: float) -> bool:
