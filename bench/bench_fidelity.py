@@ -18,6 +18,7 @@ rates around its capacity.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -43,6 +44,8 @@ def main() -> None:
         help="seconds per load-test rate (near capacity a 600 s run's mean varies by ±10 %% from seed to seed)",
     )
     ap.add_argument("--truth", choices=sorted(TRUTHS), default="h100", help="the simulated server (gpu.py)")
+    ap.add_argument("--seed", type=int, default=fidelity.LoadSettings.seed, help="the load tests' arrivals")
+    ap.add_argument("--workloads", default=None, help="comma-separated (default: chat,code,mixed,long_prompt)")
     ap.add_argument("--rates", default=None, help="load-test rates, req/s, comma-separated (default: the truth's)")
     args = ap.parse_args()
     gpu_spec, rates = TRUTHS[args.truth]
@@ -51,7 +54,9 @@ def main() -> None:
             rates = tuple(float(r) for r in args.rates.split(","))
         except ValueError:
             ap.error(f"--rates: not a comma-separated list of numbers: {args.rates!r}")
-    load = fidelity.LoadSettings(duration_s=args.duration, rates=rates)
+    load = fidelity.LoadSettings(duration_s=args.duration, rates=rates, seed=args.seed)
+    if args.workloads:
+        load = dataclasses.replace(load, workloads=tuple(args.workloads.split(",")))
     if args.quick:
         load = fidelity.LoadSettings(duration_s=120.0, rates=(1, 4, 8, 12), workloads=("chat",))
     started = time.monotonic()
