@@ -7,6 +7,7 @@ Fitting is pure (rows in, parameters out); reading and writing files is at the e
 
 from __future__ import annotations
 
+import bisect
 import csv
 import datetime as dt
 import hashlib
@@ -836,6 +837,20 @@ def _require_batches(rows: Sequence[BenchRow], what: str, where: str) -> None:
         )
 
 
+def _target_rows(rows: Sequence[BenchRow]) -> tuple[list[BenchRow], list[BenchRow]]:
+    """(decode steps, prompt rows) of the server without SD: what the target is fitted to."""
+    decode = [r for r in rows if r.phase == "target" and r.draft_length == 0]
+    prompt = [r for r in rows if r.phase in ("prefill", "mixed") and r.draft_length == 0]
+    return decode, prompt
+
+
+def _in_moe_tokens(passes: Passes, moe: Moe | None) -> Passes:
+    """A MoE target is fitted against the tokens its experts see, not the tokens in the pass."""
+    if moe is None:
+        return passes
+    return tuple((c, float(moe.effective_tokens(x)), z, q, a) for c, x, z, q, a in passes)
+
+
 def fit_target(rows: Sequence[BenchRow], budget: int | None, moe: Moe | None, where: str) -> PhaseSpec:
     """The target forward pass from SD-off rows: decode steps, mixed steps and prefills together.
 
@@ -843,21 +858,17 @@ def fit_target(rows: Sequence[BenchRow], budget: int | None, moe: Moe | None, wh
     a prompt alone are all one forward pass over that many tokens, so the prompt token's cost on
     a busy server is read off the same curve as a decode token's, past its knee.
     """
-    decode = [r for r in rows if r.phase == "target" and r.draft_length == 0]
+    decode, prompt = _target_rows(rows)
     _require_batches(decode, "phase target (decode steps, SD off)", where)
-    prompt = [r for r in rows if r.phase in ("prefill", "mixed") and r.draft_length == 0]
     if not prompt:
         raise InputError(
             f"{where}: no prefill or mixed rows with SD off: the prompt token's cost cannot be identified; "
             "run sd-controller bench --phase prefill,target,mixed on the server without SD"
         )
     used = decode + prompt
-    samples = []
-    for r in used:
-        passes = target_passes(r, budget)
-        if moe is not None:
-            passes = tuple((c, float(moe.effective_tokens(x)), z, q, a) for c, x, z, q, a in passes)
-        samples.append(_Sample(passes, r.latency_s, 1.0 / max(r.latency_s, 1e-9)))
+    samples = [
+        _Sample(_in_moe_tokens(target_passes(r, budget), moe), r.latency_s, 1.0 / max(r.latency_s, 1e-9)) for r in used
+    ]
     notes: list[str] = []
     if not any(r.phase == "mixed" for r in prompt):
         notes.append("no mixed rows: a prompt's marginal cost on a busy step is inferred from stand-alone prefills")
@@ -866,29 +877,71 @@ def fit_target(rows: Sequence[BenchRow], budget: int | None, moe: Moe | None, wh
     return spec
 
 
+# Relative timing noise of one bench row (its iterations' jitter): the floor of a sample's error.
+TIMING_NOISE = 0.01
+# The target's error on a pass is read off its rows within this factor of the pass's tokens.
+LOCAL_ERROR_SPAN = 2.0
+
+
+@dataclass(frozen=True)
+class _TargetError:
+    """The fitted target's relative error around a pass size, from its own rows' residuals.
+
+    GEMM tiles make the measured cost a staircase the fitted lines cross: short decode steps
+    sit on one tread (a small error), a long chunk between two (a large one).
+    """
+
+    tokens: np.ndarray  # sorted tokens of each row's largest pass
+    rel_sq: np.ndarray  # its squared relative residual
+    overall: float  # RMS of all: where no row is near
+
+    def relative(self, x: float) -> float:
+        lo = bisect.bisect_left(self.tokens, x / LOCAL_ERROR_SPAN)
+        hi = bisect.bisect_right(self.tokens, x * LOCAL_ERROR_SPAN)
+        return float(np.sqrt(self.rel_sq[lo:hi].mean())) if hi > lo else self.overall
+
+
+def _target_error(rows: Sequence[BenchRow], target: StepCost, budget: int | None, moe: Moe | None) -> _TargetError:
+    decode, prompt = _target_rows(rows)
+    tokens, rel_sq = [], []
+    for r in decode + prompt:
+        passes = _in_moe_tokens(target_passes(r, budget), moe)
+        pred = sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in passes)
+        tokens.append(max(p[1] for p in passes))
+        rel_sq.append(((r.latency_s - pred) / max(r.latency_s, 1e-12)) ** 2)
+    order = np.argsort(tokens)
+    t, e = np.asarray(tokens, dtype=float)[order], np.asarray(rel_sq, dtype=float)[order]
+    return _TargetError(t, e, float(np.sqrt(e.mean())) if e.size else 0.0)
+
+
 def fit_draft(
-    rows: Sequence[BenchRow], target: StepCost, budget: int | None, where: str
+    rows: Sequence[BenchRow], target: StepCost, budget: int | None, where: str, moe: Moe | None = None
 ) -> tuple[PhaseSpec, float, bool]:
     """The draft pass and the fixed SD-step overhead from SD-on rows, the target's share removed.
+
+    A row's draft share inherits the target fit's error on the target's passes in it: a mixed
+    step's long chunk on a staircase of GEMM tiles can be off by more than the whole draft
+    costs. Each row is weighted by its timing noise and that error together, so the draft's
+    per-pass cost is read where the target is known well (short verify steps), not traded
+    against the target's residuals.
 
     Returns (draft spec, overhead per SD step, whether the draft's prefill was measured).
     """
     sd_rows = [r for r in rows if r.draft_length > 0 and r.phase in ("verify", "mixed", "prefill", "draft")]
     verify = [r for r in sd_rows if r.phase == "verify"]
     _require_batches(verify, "phase verify (SD steps, on the server with SD)", where)
+    error = _target_error(rows, target, budget, moe)
     samples, measured = [], []
     for r in sd_rows:
-        known = (
-            0.0
-            if r.phase == "draft"
-            else sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in target_passes(r, budget))
-        )
+        passes = () if r.phase == "draft" else _in_moe_tokens(target_passes(r, budget), moe)
+        costs = [(c, c * target.scalar(x, z, q, a), x) for c, x, z, q, a in passes]
+        known = sum(t for _c, t, _x in costs)
+        # Passes of one row err together: their errors add, not in quadrature.
+        target_err = sum(t * error.relative(x) for _c, t, x in costs)
+        sigma = math.hypot(TIMING_NOISE * r.latency_s, target_err)
         samples.append(
             _Sample(
-                draft_passes(r, budget),
-                r.latency_s - known,
-                1.0 / max(r.latency_s, 1e-9),
-                r.phase in ("verify", "mixed"),
+                draft_passes(r, budget), r.latency_s - known, 1.0 / max(sigma, 1e-9), r.phase in ("verify", "mixed")
             )
         )
         measured.append(r.latency_s)
@@ -948,7 +1001,7 @@ def fit_phases(
     if dropped:
         note = f"{dropped} row(s) dropped: their batch's KV context exceeds the server's KV cache (vLLM preempts)"
         target = target.model_copy(update={"fit": target.fit.model_copy(update={"notes": [*target.fit.notes, note]})})
-    draft, overhead, _draft_prefill = fit_draft(kept, target.step_cost(), budget, where)
+    draft, overhead, _draft_prefill = fit_draft(kept, target.step_cost(), budget, where, moe)
     unc = Uncertainty(
         relative_sd_off=min(target.fit.relative_rmse if target.fit else 0.0, 1.0),
         relative_sd_on=min(
