@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("full", help="output directory of a full bench_decisions run (decisions.json, calibration.json)")
     ap.add_argument("--scenarios", required=True, help="comma-separated names, or 'future' / 'surprise'")
-    ap.add_argument("--starts", default="on,off", help="launch states: on, off or both")
+    ap.add_argument("--starts", default="on,off", help="launch states: on, off or on,off (both)")
     ap.add_argument(
         "--seeds", default=DEFAULT_SEEDS, help="seeds besides the scenario's own, which always runs (comma-separated)"
     )
@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        starts = [{"on": True, "off": False}[s.strip()] for s in args.starts.split(",")]
+        starts = [{"on": True, "off": False}[s.strip()] for s in args.starts.replace("both", "on,off").split(",")]
     except (ValueError, KeyError) as e:
-        print(f"bench_decisions_seeds: --seeds must be integers, --starts on/off: {e}", file=sys.stderr)
+        print(f"bench_decisions_seeds: --seeds must be integers, --starts on, off or both: {e}", file=sys.stderr)
         return 2
     cal = str(full / "calibration.json")
     jobs = [(n, st, seed, cal, ref[n]["limits"]) for n in names for st in starts for seed in (None, *seeds)]
