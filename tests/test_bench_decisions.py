@@ -170,6 +170,8 @@ def test_seeds_bench_refuses_unknown_scenarios_and_bad_seeds(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"bench_decisions_seeds: not in {full / 'decisions.json'}: nope"
     assert _seeds_module().main([str(full), "--scenarios", str(TINY), "--seeds", "1,x"]) == 2
     assert "--seeds must be integers" in capsys.readouterr().err
+    assert _seeds_module().main([str(full), "--scenarios", str(TINY), "--starts", "sideways"]) == 2
+    assert "--starts on, off or both: 'sideways'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
