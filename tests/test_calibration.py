@@ -10,7 +10,7 @@ import pytest
 from controller import calibration as cal_mod
 from controller.calibration import calibrate, load, read_bench_csv, read_load_csv, save
 from controller.errors import InputError
-from controller.model import LatencyModel, StepCost, Workload, predict_point
+from controller.model import LatencyModel, Moe, StepCost, Workload, predict_point
 from controller.synthetic import bench_rows, write_bench_csv
 
 TRUE = LatencyModel(
@@ -98,6 +98,32 @@ def test_one_draft_length_folds_the_overhead_into_the_draft():
     w = Workload(512, 256)
     a, b = predict_point(cal.latency_model(), 2.0, 0.7, 4, w), predict_point(TRUE, 2.0, 0.7, 4, w)
     assert rel(a.latency_on_s, b.latency_on_s) < 0.03
+
+
+def test_moe_draft_is_fitted_against_the_target_in_expert_tokens():
+    # A MoE target is fitted against the tokens its experts see; the SD rows' target share must
+    # be taken out in the same units, or a verify step's share is priced as a dense pass and
+    # the draft is fitted to what is left of that.
+    moe = Moe(num_experts=64, top_k=2)
+    dense = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.01, iterations=20, seed=3)
+    rows = []
+    for r in dense:
+        noise = r.latency_s / _synthetic_latency(TRUE, r, None)
+        rows.append(replace(r, latency_s=noise * _synthetic_latency(TRUE, r, moe)))
+    cal = calibrate(rows, max_num_batched_tokens=8192, moe=cal_mod.MoeSpec(num_experts=64, top_k=2))
+    assert rel(cal.phases.draft.intercept_s, TRUE.draft.intercept_s) < 0.15
+    assert abs(cal.phases.sd_overhead_s - TRUE.sd_overhead_s) < 0.0002
+
+
+def _synthetic_latency(model: LatencyModel, row, moe: Moe | None) -> float:
+    """A bench row's latency on ``model``, its target priced in the experts' tokens with ``moe``."""
+    t = 0.0
+    for c, x, z, q, a in cal_mod.target_passes(row, 8192):
+        t += c * model.target.scalar(float(moe.effective_tokens(x)) if moe else x, z, q, a)
+    if row.draft_length > 0:
+        t += sum(c * model.draft.scalar(x, z, q, a) for c, x, z, q, a in cal_mod.draft_passes(row, 8192))
+        t += model.sd_overhead_s if row.phase in ("verify", "mixed") else 0.0
+    return t
 
 
 def test_unidentifiable_prompt_cost_is_refused():
