@@ -934,10 +934,10 @@ def fit_draft(
     samples, measured = [], []
     for r in sd_rows:
         passes = () if r.phase == "draft" else _in_moe_tokens(target_passes(r, budget), moe)
-        costs = [(c, c * target.scalar(x, z, q, a), x) for c, x, z, q, a in passes]
-        known = sum(t for _c, t, _x in costs)
+        costs = [(c * target.scalar(x, z, q, a), x) for c, x, z, q, a in passes]
+        known = sum(t for t, _x in costs)
         # Passes of one row err together: their errors add, not in quadrature.
-        target_err = sum(t * error.relative(x) for _c, t, x in costs)
+        target_err = sum(t * error.relative(x) for t, x in costs)
         sigma = math.hypot(TIMING_NOISE * r.latency_s, target_err)
         samples.append(
             _Sample(

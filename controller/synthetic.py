@@ -18,7 +18,12 @@ from controller.model import LatencyModel
 
 
 def _true_latency(model: LatencyModel, row: BenchRow, budget: int | None) -> float:
-    t = sum(c * model.target.scalar(x, z, q, a) for c, x, z, q, a in target_passes(row, budget))
+    # A MoE target's pass costs what its experts see (the calibrator fits it in those tokens).
+    moe = model.moe
+    t = sum(
+        c * model.target.scalar(float(moe.effective_tokens(x)) if moe else x, z, q, a)
+        for c, x, z, q, a in target_passes(row, budget)
+    )
     if row.draft_length > 0:
         t += sum(c * model.draft.scalar(x, z, q, a) for c, x, z, q, a in draft_passes(row, budget))
         if row.phase in ("verify", "mixed"):

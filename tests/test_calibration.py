@@ -104,26 +104,11 @@ def test_moe_draft_is_fitted_against_the_target_in_expert_tokens():
     # A MoE target is fitted against the tokens its experts see; the SD rows' target share must
     # be taken out in the same units, or a verify step's share is priced as a dense pass and
     # the draft is fitted to what is left of that.
-    moe = Moe(num_experts=64, top_k=2)
-    dense = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.01, iterations=20, seed=3)
-    rows = []
-    for r in dense:
-        noise = r.latency_s / _synthetic_latency(TRUE, r, None)
-        rows.append(replace(r, latency_s=noise * _synthetic_latency(TRUE, r, moe)))
+    moe = replace(TRUE, moe=Moe(num_experts=64, top_k=2))
+    rows = bench_rows(moe, batch_sizes=BATCHES, noise=0.01, iterations=20, seed=3)
     cal = calibrate(rows, max_num_batched_tokens=8192, moe=cal_mod.MoeSpec(num_experts=64, top_k=2))
     assert rel(cal.phases.draft.intercept_s, TRUE.draft.intercept_s) < 0.15
     assert abs(cal.phases.sd_overhead_s - TRUE.sd_overhead_s) < 0.0002
-
-
-def _synthetic_latency(model: LatencyModel, row, moe: Moe | None) -> float:
-    """A bench row's latency on ``model``, its target priced in the experts' tokens with ``moe``."""
-    t = 0.0
-    for c, x, z, q, a in cal_mod.target_passes(row, 8192):
-        t += c * model.target.scalar(float(moe.effective_tokens(x)) if moe else x, z, q, a)
-    if row.draft_length > 0:
-        t += sum(c * model.draft.scalar(x, z, q, a) for c, x, z, q, a in cal_mod.draft_passes(row, 8192))
-        t += model.sd_overhead_s if row.phase in ("verify", "mixed") else 0.0
-    return t
 
 
 def test_unidentifiable_prompt_cost_is_refused():

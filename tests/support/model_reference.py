@@ -8,9 +8,9 @@ was *before* the curve build was rewritten for speed (commit 9e34608 on main):
 Rewrite it only for a deliberate change of the model's results (and say so in the commit). The
 truth calibration's three cases were last rewritten when that file was re-measured (stop 29: the
 draft fitted with each row weighted by the target's error on it; the model did not change, the
-other 36 cases are as they were). The model's results were last rewritten when prompts arriving during one step came to share the next (the chain's states
-price each prompt at the Poisson mean of a shared step's cost; the limit and the drain rise with
-them); before that, when an arrival's wait for the step in flight became length-weighted
+other 36 cases are as they were). The model's results were last rewritten when prompts arriving
+during one step came to share the next (the chain's states price each prompt at the Poisson
+mean of a shared step's cost; the limit and the drain rise with them); before that, when an arrival's wait for the step in flight became length-weighted
 (E[S²]/2E[S]: a step that carries a prompt is Δ longer), and when the mean latency became the
 batch's birth–death chain (controller/queueing.py). The
 grid: the shipped calibrations and variants of them that reach every branch of the curve build
