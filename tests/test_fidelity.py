@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import ast
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from controller import calibration as cal_mod
-from controller.sim import fidelity, gpu
+from controller.model import Workload, predict_point
+from controller.sim import fidelity, gpu, stepsim
+from controller.sim.truth_workloads import poisson_load
 from controller.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +158,41 @@ def test_draft_pass_is_read_where_the_target_is_known(tmp_path):
         + model.sd_overhead_s
     )
     assert abs(predicted / measured - 1) < 0.025, (predicted, measured)
+
+
+@pytest.mark.slow
+def test_a_cache_filled_by_long_prompts_is_overloaded_before_the_batch_is():
+    """Heavy-tailed prompts fill the KV cache before max_num_seqs; then every completion leaves
+    less room than the running sequences grow by, the newest is preempted and recomputed, and
+    the server falls behind at rates its full batch would keep up with. The model's limit stood
+    at the full batch's rate (7.17 req/s with SD at γ = 4 here), above this test's 7.0."""
+    model = cal_mod.load(ROOT / "controller" / "data" / "truth-calibration.json").latency_model()
+    spec = fidelity.TruthServer().spec(4)
+
+    def serve(rate: float, kv_cache_tokens: int | None = None):
+        rng = np.random.default_rng(7)
+        reqs = poisson_load(rate, 900.0, "long_tail", rng)
+        arrival, prompt, gen = (
+            np.array(x) for x in zip(*((r.send_at_s, r.prompt_tokens, r.max_tokens) for r in reqs), strict=True)
+        )
+        alpha = spec.alpha_class("long_tail").draw(rng, len(reqs))
+        server = spec if kv_cache_tokens is None else replace(spec, kv_cache_tokens=kv_cache_tokens)
+        res = stepsim.simulate(server, arrival, prompt, gen, alpha, rng)
+        w = Workload(float(prompt.mean()), float(gen.mean()), float(gen.std()), float(prompt.std()))
+        return res, w
+
+    res, w = serve(7.0)
+    unbounded, _ = serve(7.0, kv_cache_tokens=10**8)
+    assert res.preemptions.sum() > 0.05 * res.preemptions.size  # the cache thrashes
+    assert res.latency_s.mean() > 2.0 * unbounded.latency_s.mean()
+    assert unbounded.preemptions.sum() == 0
+    assert predict_point(model, 7.0, 0.7, 4, w).overloaded_on
+
+    calm, w = serve(5.0)
+    assert calm.preemptions.sum() == 0
+    p = predict_point(model, 5.0, 0.7, 4, w)
+    assert not p.overloaded_on
+    assert abs(p.latency_on_s / calm.latency_s.mean() - 1) < 0.15
 
 
 @pytest.mark.parametrize("module", TRUTH_MODULES)

@@ -241,6 +241,33 @@ def test_kv_cache_bounds_the_batch_with_less_room_for_sd():
     assert off.stability_limit_rps == pytest.approx(20.0 / off.latency_at_batch(20.0))
 
 
+def test_a_kv_full_batch_recomputes_prompts_and_finishes_slower():
+    # 1,000-token prompts, 250 generated: ~1,250 tokens of context per sequence, so a
+    # 100k-token cache holds ~80 sequences, far below max_num_seqs.
+    w = Workload(1000.0, 250.0, 250.0)
+    m = LatencyModel(
+        target=StepCost(0.010, 2e-5, context_s_per_token=2e-8), draft=StepCost(0.001, 2e-6), max_num_seqs=256,
+        kv_cache_tokens_off=100_000, kv_cache_tokens_on=100_000,
+    )  # fmt: skip
+    off, _ = curves(m, 0.7, 2, w)
+    b = off.batch_bound
+    assert b == pytest.approx(100_000 / w.mean_context_tokens)
+    # Each completion is followed by a preemption with probability r, recomputing a prompt.
+    r = 250.0 / 1000.0 * (1.0 - math.exp(-1000.0 / 250.0))
+    decode, prompts = off.steps * off.step(b), b * off.prompt(b)
+    top = math.floor(b)  # the chain's last state: top in the server, top − 1 others
+    full = off.sharing_gain * top / off.latency_at_batch(top - 1.0)
+    assert off.thrash_rps == pytest.approx(full * (decode + prompts) / (decode + prompts * (1.0 + r)), rel=1e-3)
+    assert off.stability_limit_rps == off.thrash_rps < full
+    between = 0.5 * (off.thrash_rps + full)  # the full batch's rate without recompute would keep up
+    assert predict_point(m, between, 0.7, 2, w).overloaded_off
+    assert off.throughput_at_batch(2 * b, None, 1000.0) == pytest.approx(off.thrash_rps)
+    # Where max_num_seqs bounds the batch first the cache never fills: no recompute.
+    roomy, _ = curves(replace(m, max_num_seqs=40), 0.7, 2, w)
+    assert roomy.batch_bound == 40 and math.isinf(roomy.thrash_rps)
+    assert roomy.stability_limit_rps == pytest.approx(roomy.sharing_gain * 40 / roomy.latency_at_batch(40.0), rel=1e-3)
+
+
 def test_prediction_interval_is_the_scaled_costs():
     m = replace(simple(max_num_seqs=50), relative_sd_off=0.05, relative_sd_on=0.08)
     p = predict_point(m, 3.0, 0.6, 2, W)
