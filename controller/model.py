@@ -508,6 +508,10 @@ def _latency_at(segments, waits, ends: tuple[float, ...], batch: float) -> float
 # batch() skips the segments whose throughput stays below the rate by more than this (they hold
 # no fixed point; the margin covers the tolerance a root at a segment's end is accepted with).
 REACH_MARGIN = 1e-9
+# What can set a mode's stability limit (ModeCurve.limit_reason): throughput B/T(B) peaks below
+# the batch bound; the bound itself (max_num_seqs, or the KV cache's sequences); a KV-full batch
+# recomputing preempted prompts (_kv_thrash_rps); prompts starved of the step's token budget.
+LIMIT_REASONS = ("throughput_peak", "max_num_seqs", "kv_cache", "kv_recompute", "token_budget")
 
 
 @dataclass(frozen=True)
@@ -537,6 +541,8 @@ class ModeCurve:
     # The rate a KV-full batch finishes at while preemptions recompute prompts (_kv_thrash_rps);
     # +inf where max_num_seqs, not the KV cache, bounds the batch.
     thrash_rps: float = math.inf
+    # What sets stability_limit_rps (LIMIT_REASONS): what an operator would change to raise it.
+    limit_reason: str = "throughput_peak"
 
     def step(self, batch: float) -> float:
         """τ(B): one decode (verify) step with B other sequences running (B ≤ the bound)."""
@@ -737,15 +743,20 @@ def mode_curve(
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
     # found rises with the best state's (the chain's tail is served at the limit).
     limit, thrash = peak_h * gained, math.inf
+    reason = "throughput_peak" if peak_b < bound * (1.0 - 1e-9) else "kv_cache" if kv_bound else "max_num_seqs"
     if kv_bound and p > 0:
         thrash = _kv_thrash_rps(lines, ends, steps, chain, bound, mean_p, g)
         if thrash < limit:
-            limit, peak_b = thrash, bound
-    curve = ModeCurve(segments, bound, peak_b, limit, lines, ends, reach, steps, k, waits, chain, gained, thrash)
+            limit, peak_b, reason = thrash, bound, "kv_recompute"
+    curve = ModeCurve(
+        segments, bound, peak_b, limit, lines, ends, reach, steps, k, waits, chain, gained, thrash, reason
+    )
     if model.max_num_batched_tokens is not None and p > 0:
         limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
         if limit < curve.stability_limit_rps:
-            curve = replace(curve, stability_limit_rps=limit, peak_batch=curve.batch(limit))
+            curve = replace(
+                curve, stability_limit_rps=limit, peak_batch=curve.batch(limit), limit_reason="token_budget"
+            )
     return curve
 
 

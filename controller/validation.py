@@ -68,6 +68,7 @@ class ModeSummary:
     limit_predicted_rps: float
     limit_measured_rps: tuple[float | None, float | None]  # (highest steady rate, lowest saturated rate)
     limit_error: float | None  # relative distance of the prediction outside that bracket (0 inside)
+    limit_reason: str = "throughput_peak"  # what sets the predicted limit (model.LIMIT_REASONS)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,8 @@ def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSumm
         errs = [c.error for c in group if c.error is not None]
         ref = group[0].row
         off, on = curves(model, _alpha(ref) if sd else 0.5, gamma if sd else 1, _workload(_mean_row(group)))
-        limit = on.stability_limit_rps if sd else off.stability_limit_rps
+        curve = on if sd else off
+        limit = curve.stability_limit_rps
         bracket = _limit_bracket(group)
         saturated = [c for c in group if c.measured_saturated]
         out.append(
@@ -175,6 +177,7 @@ def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSumm
                 limit_predicted_rps=limit,
                 limit_measured_rps=bracket,
                 limit_error=_limit_error(limit, bracket),
+                limit_reason=curve.limit_reason,
             )
         )
     return out

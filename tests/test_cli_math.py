@@ -30,6 +30,7 @@ def test_predict_json_fields(capsys):
     assert last["overloaded_off"] and last["latency_off_s"] is None
     assert {b["threshold"] for b in out["break_even"]} == {1.0, 1.05, 1.2}
     assert out["stability_limit_rps"]["off"] > 0
+    assert out["stability_limit_reason"] == {"off": "max_num_seqs", "on": {"2": "max_num_seqs", "4": "max_num_seqs"}}
     assert len(out["best_draft_length"]) == 3
     assert out["inputs"]["alpha"] > 0.6  # vLLM's rate at γ = 4 understates per-token α
 

@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from controller.model import (
+    LIMIT_REASONS,
     LatencyModel,
     Moe,
     StepCost,
@@ -266,6 +267,29 @@ def test_a_kv_full_batch_recomputes_prompts_and_finishes_slower():
     roomy, _ = curves(replace(m, max_num_seqs=40), 0.7, 2, w)
     assert roomy.batch_bound == 40 and math.isinf(roomy.thrash_rps)
     assert roomy.stability_limit_rps == pytest.approx(roomy.sharing_gain * 40 / roomy.latency_at_batch(40.0), rel=1e-3)
+
+
+_PLAIN = StepCost(0.010, 2e-5, context_s_per_token=2e-8)
+_KNEE = StepCost(0.010, 1e-5, knees_tokens=(64.0,), knee_slope_deltas=(1e-3,))  # compute-bound past 64
+
+
+@pytest.mark.parametrize(
+    ("target", "model_kw", "workload", "reason"),
+    [
+        (_KNEE, {}, Workload(0.0, 100.0, 0.0), "throughput_peak"),  # B/T(B) peaks at the knee
+        (_PLAIN, {"max_num_seqs": 32}, Workload(100.0, 100.0, 0.0), "max_num_seqs"),
+        (_PLAIN, {"kv_cache_tokens_off": 1000}, Workload(0.0, 100.0, 0.0), "kv_cache"),  # no prompt to recompute
+        (_PLAIN, {"kv_cache_tokens_off": 100_000}, Workload(1000.0, 250.0, 250.0), "kv_recompute"),
+        (_PLAIN, {"max_num_batched_tokens": 1024}, Workload(2000.0, 50.0, 0.0), "token_budget"),
+    ],
+)
+def test_the_limit_says_what_sets_it(target, model_kw, workload, reason):
+    m = LatencyModel(target=target, draft=StepCost(0.001, 2e-6), **{"max_num_seqs": 256, **model_kw})
+    off, _ = curves(m, 0.7, 2, workload)
+    assert off.limit_reason == reason
+    assert reason in LIMIT_REASONS
+    if reason == "throughput_peak":
+        assert off.peak_batch < off.batch_bound
 
 
 def test_prediction_interval_is_the_scaled_costs():

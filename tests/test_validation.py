@@ -19,7 +19,15 @@ from controller import calibration as cal_mod
 from controller.acceptance import alpha_from_vllm_rate
 from controller.calibration import LOAD_COLUMNS, LOAD_OPTIONAL_COLUMNS, LoadRow
 from controller.cli import main
-from controller.model import LatencyModel, StepCost, Workload, break_even_rates, curves, predict_point
+from controller.model import (
+    LIMIT_REASONS,
+    LatencyModel,
+    StepCost,
+    Workload,
+    break_even_rates,
+    curves,
+    predict_point,
+)
 from controller.synthetic import bench_rows
 from controller.validation import RowCheck, validate
 
@@ -363,6 +371,7 @@ def test_cli_json_report(monkeypatch, capsys, calibration_file, load_csv):
     assert off["limit_error"] == 0.0
     limit_off, _ = curves(model, ALPHA, GAMMA, WORKLOAD)
     assert off["limit_predicted_rps"] == pytest.approx(limit_off.stability_limit_rps, rel=1e-12)
+    assert off["limit_reason"] == limit_off.limit_reason in LIMIT_REASONS
     assert (on["mode"], on["runs"], on["mean_abs_error"]) == ("on(γ=4)", 4, pytest.approx(0.05, rel=1e-9))
     assert on["limit_measured_rps"] == [4.0, None]
     (be,) = report["break_even"]

@@ -22,6 +22,7 @@ from controller.model import (
     Workload,
     best_draft_length,
     break_even_rates,
+    curves,
     predict_point,
 )
 from controller.shipped import calibration_path
@@ -149,21 +150,22 @@ def build_report(
         c = best_draft_length(model, r, alpha, workload, candidates)
         best.append({"rate_rps": r, "draft_length": c.draft_length, "speedup": finite_or_none(c.speedup)})
     breaks = []
-    limits_on = {}
-    limit_off = None
+    limits_on, reasons_on = {}, {}
+    limit_off = reason_off = None
     for g in draft_lengths:
         for th, be in break_even_rates(model, alpha, g, workload, DEFAULT_THRESHOLDS).items():
             breaks.append(
                 {"draft_length": g, "threshold": th, "rate_rps": be.rate_rps, "always_above": be.always_above}
             )
-        p0 = predict_point(model, 0.0, alpha, g, workload)
-        limits_on[str(g)] = p0.stability_limit_on_rps
-        limit_off = p0.stability_limit_off_rps
+        off, on = curves(model, alpha, g, workload)
+        limits_on[str(g)], reasons_on[str(g)] = on.stability_limit_rps, on.limit_reason
+        limit_off, reason_off = off.stability_limit_rps, off.limit_reason
     return {
         "points": points,
         "best_draft_length": best,
         "break_even": breaks,
         "stability_limit_rps": {"off": limit_off, "on": limits_on},
+        "stability_limit_reason": {"off": reason_off, "on": reasons_on},
     }
 
 

@@ -65,6 +65,7 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 "limit_predicted_rps": finite_or_none(m.limit_predicted_rps),
                 "limit_measured_rps": list(m.limit_measured_rps),
                 "limit_error": m.limit_error,
+                "limit_reason": m.limit_reason,
             }
             for m in report.modes
         ],
@@ -122,15 +123,16 @@ def print_report(report: ValidationReport, console: Console) -> None:
         "limit predicted",
         "limit measured",
         "limit error",
+        "limit set by",
     ):
-        m.add_column(col, justify="right")
+        m.add_column(col, justify="right", no_wrap=col == "limit set by")
     for s in report.modes:
         lo, hi = s.limit_measured_rps
         measured = f"{'-' if lo is None else f'>{lo:g}'} / {'-' if hi is None else f'<{hi:g}'}"
         m.add_row(
             s.mode, str(s.runs), "-" if s.mean_abs_error is None else f"{s.mean_abs_error * 100:.1f} %", _pct(s.worst_error),
             f"{s.saturated_flagged}/{s.saturated_runs}", str(s.false_overloads), f"{s.limit_predicted_rps:.2f}", measured,
-            _pct(s.limit_error),
+            _pct(s.limit_error), s.limit_reason,
         )  # fmt: skip
     console.print(m)
     if report.break_even:
