@@ -18,6 +18,7 @@ from controller.model import (
     Workload,
     best_draft_length,
     break_even_rates,
+    curves,
     cycle_speedup,
     predict_point,
     predict_points,
@@ -167,6 +168,9 @@ class Assessment:
     # (a launch into it): no excursion, so the filter is the restart's outage only
     # (risk.overload_predates_history).
     overload_predates_history: bool = False
+    # What sets each mode's stability limit (model.LIMIT_REASONS): what to change to raise it.
+    limit_reason_off: str = "throughput_peak"
+    limit_reason_on: str = "throughput_peak"
 
     def latency_s(self, enabled: bool) -> float:
         return self.latency_on_s if enabled else self.latency_off_s
@@ -234,6 +238,7 @@ def assess(
     # A measured E[N] is only valid for the γ it was measured at.
     en = acc.accepted_length if acc.accepted_length is not None and gamma_on == gamma_now else None
     now_p = predict_point(model, rate, acc.alpha, gamma_on, workload, en)
+    curve_off, curve_on = curves(model, acc.alpha, gamma_on, workload, en)  # cached by predict_point
     eval_p = now_p if eval_rate == rate else predict_point(model, eval_rate, acc.alpha, gamma_on, workload, en)
     # The excursion filter times the load that is here (or coming, by the same hours of earlier
     # days), not the recent peak or the two windows' trend the decision also weighs: a spike
@@ -500,6 +505,8 @@ def assess(
         batch_on=now_p.batch_on,
         stability_limit_off_rps=now_p.stability_limit_off_rps,
         stability_limit_on_rps=now_p.stability_limit_on_rps,
+        limit_reason_off=curve_off.limit_reason,
+        limit_reason_on=curve_on.limit_reason,
         break_even_rate_rps=be.rate_rps,
         restart_downtime_s=downtime,
         switch_cost_request_s=cost,

@@ -22,6 +22,7 @@ from controller.assessment import AcceptanceSource, Assessment
 from controller.correction import TERMS
 from controller.events import Event, EventKind
 from controller.httpserver import BackgroundHTTPServer
+from controller.model import LIMIT_REASONS
 from controller.observation import FailureReason
 from controller.policy import ControllerPhase, Decision
 from controller.state import ControllerState
@@ -92,6 +93,7 @@ PREDICTION_GAUGES = (
     "sd_projected_arrival_rate_rps",
     "sd_break_even_rate_rps",
     "sd_stability_limit_rps",
+    "sd_stability_limit_reason",
     "sd_predicted_latency_seconds",
     "sd_predicted_applied_latency_seconds",
     "sd_switch_cost_request_seconds",
@@ -133,6 +135,11 @@ class Exporter:
         g.define("sd_projected_arrival_rate_rps", "Rate the decision is evaluated at (trend)")
         g.define("sd_break_even_rate_rps", "Arrival rate where the predicted speedup is 1")
         g.define("sd_stability_limit_rps", "Highest sustainable arrival rate", ("mode",))
+        g.define(
+            "sd_stability_limit_reason",
+            "What sets the stability limit (1 = this reason): throughput_peak, max_num_seqs, kv_cache, kv_recompute or token_budget",
+            ("mode", "reason"),
+        )
         g.define("sd_predicted_latency_seconds", "Predicted mean request latency", ("mode",))
         g.define("sd_predicted_applied_latency_seconds", "Predicted mean latency in the applied state")
         g.define("sd_observed_latency_seconds", "Observed mean e2e latency (vLLM)")
@@ -239,6 +246,9 @@ class Exporter:
             self.gauges.clear("sd_break_even_rate_rps")
         g("sd_stability_limit_rps", a.stability_limit_on_rps, "on")
         g("sd_stability_limit_rps", a.stability_limit_off_rps, "off")
+        for reason in LIMIT_REASONS:
+            g("sd_stability_limit_reason", 1 if reason == a.limit_reason_on else 0, "on", reason)
+            g("sd_stability_limit_reason", 1 if reason == a.limit_reason_off else 0, "off", reason)
         g("sd_predicted_latency_seconds", a.latency_on_s, "on")
         g("sd_predicted_latency_seconds", a.latency_off_s, "off")
         g("sd_predicted_applied_latency_seconds", a.latency_s(on))

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.assessment import AcceptanceEstimate, AcceptanceSource, Assessment
 from controller.events import Event, EventKind
 from controller.exporter import Exporter, MetricsServer
-from controller.model import Workload
+from controller.model import LIMIT_REASONS, Workload
 from controller.observation import FailureReason
 from controller.policy import Action, ControllerPhase, Decision, Reason
 from controller.state import ControllerState, PendingChange
@@ -53,6 +53,23 @@ def test_record_and_read_back():
     assert g("sd_observed_latency_seconds") == 2.1
     assert g("sd_load_cycling") == 0
     assert g("sd_acceptance_trend_per_hour") == 0
+    # What sets each limit: one reason at 1 per mode, every other present at 0.
+    assert g("sd_stability_limit_reason", {"mode": "off", "reason": "throughput_peak"}) == 1
+    assert g("sd_stability_limit_reason", {"mode": "on", "reason": "kv_recompute"}) == 0
+
+
+def test_the_limit_reason_follows_the_assessment():
+    from dataclasses import replace
+
+    reg = CollectorRegistry()
+    ex = Exporter(reg)
+    a = replace(A, limit_reason_off="max_num_seqs", limit_reason_on="kv_recompute")
+    ex.record(1.0, ControllerState(applied_enabled=True), D, a, None, 2.1, ())
+    g = reg.get_sample_value
+    on = {r: g("sd_stability_limit_reason", {"mode": "on", "reason": r}) for r in LIMIT_REASONS}
+    off = {r: g("sd_stability_limit_reason", {"mode": "off", "reason": r}) for r in LIMIT_REASONS}
+    assert on == {r: float(r == "kv_recompute") for r in LIMIT_REASONS}
+    assert off == {r: float(r == "max_num_seqs") for r in LIMIT_REASONS}
 
 
 def test_a_cycling_load_is_shown():
