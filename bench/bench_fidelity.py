@@ -9,6 +9,7 @@ worst error on the runs that were not saturated, whether every saturated run was
 overloaded, stability limits and break-even rates; asserts nothing. About 15 minutes.
 
     python bench/bench_fidelity.py [--quick] [--out DIR] [--truth h100|a100-coarse] [--rates 1,2,4]
+    python bench/bench_fidelity.py --revalidate bench/results/fidelity-h100   # same runs, this code's model
 
 ``--truth a100-coarse`` is a second truth held out from the model's development (gpu.py's
 A100_COARSE: another GPU, 128-token GEMM tiles, a slower host); its load tests default to the
@@ -24,8 +25,11 @@ import math
 import time
 from pathlib import Path
 
+from controller import calibration as cal_mod
 from controller.commands.validate import to_dict
+from controller.errors import InputError
 from controller.sim import fidelity, gpu
+from controller.validation import ValidationReport, validate
 
 TRUTHS = {
     "h100": (gpu.H100_SXM, (1, 2, 4, 6, 8, 10, 12, 13, 14, 15, 16, 17, 18, 20)),
@@ -47,7 +51,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=fidelity.LoadSettings.seed, help="the load tests' arrivals")
     ap.add_argument("--workloads", default=None, help="comma-separated (default: chat,code,mixed,long_prompt)")
     ap.add_argument("--rates", default=None, help="load-test rates, req/s, comma-separated (default: the truth's)")
+    ap.add_argument(
+        "--revalidate",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="no simulation: validate DIR/load-*.csv against DIR/calibration.json with this code (a model change"
+        " on the same runs) and rewrite DIR/fidelity.json",
+    )
     args = ap.parse_args()
+    if args.revalidate is not None:
+        started = time.monotonic()
+        try:
+            reports = _revalidate(args.revalidate)
+        except InputError as exc:  # one line: what is wrong and where
+            raise SystemExit(f"bench_fidelity: {exc}") from None
+        print(f"re-validated in {time.monotonic() - started:.1f} s: {args.revalidate}/")
+        _summarize(reports, args.revalidate)
+        return
     gpu_spec, rates = TRUTHS[args.truth]
     if args.rates:
         try:
@@ -64,8 +85,22 @@ def main() -> None:
         truth=fidelity.TruthServer(gpu=gpu_spec), load=load, workdir=args.out, log=lambda m: print(f"  {m}", flush=True)
     )
     print(f"done in {time.monotonic() - started:.0f} s; CSVs and calibration.json in {args.out}/")
+    _summarize(run.reports, args.out)
+
+
+def _revalidate(workdir: Path) -> dict[str, ValidationReport]:
+    model = cal_mod.load(workdir / "calibration.json").latency_model()
+    csvs = sorted(workdir.glob("load-*.csv"))
+    if not csvs:
+        raise SystemExit(f"{workdir}: no load-*.csv to re-validate")
+    order = {w: i for i, w in enumerate(fidelity.LoadSettings.workloads)}
+    named = sorted(((p.stem.removeprefix("load-"), p) for p in csvs), key=lambda x: (order.get(x[0], len(order)), x[0]))
+    return {w: validate(model, cal_mod.read_load_csv(p)[0]) for w, p in named}
+
+
+def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
     errors, worst, flagged, limits, bes = [], 0.0, True, [], []
-    for workload, rep in run.reports.items():
+    for workload, rep in reports.items():
         print(f"\n{workload}:")
         for m in rep.modes:
             lo, hi = m.limit_measured_rps
@@ -73,7 +108,9 @@ def main() -> None:
             worst_m = "-" if m.worst_error is None else f"{m.worst_error * 100:+.1f} %"
             print(
                 f"  {m.mode:8s} runs {m.runs:2d}  mean |error| {mae:>7s}  worst {worst_m:>8s}  saturated flagged"
-                f" {m.saturated_flagged}/{m.saturated_runs}  called overloaded but steady {m.false_overloads}  limit predicted {m.limit_predicted_rps:.2f}"
+                f" {m.saturated_flagged}/{m.saturated_runs}  called overloaded but steady {m.false_overloads}"
+                f"{f' (+{m.metastable_runs} metastable)' if m.metastable_runs else ''}  limit predicted {m.limit_predicted_rps:.2f}"
+                f"{'' if m.limit_cache_fill_rps is None else f'-{m.limit_cache_fill_rps:.2f}'} ({m.limit_reason})"
                 f" measured ({lo}, {hi})"
             )
             if m.limit_error is not None:
@@ -91,8 +128,8 @@ def main() -> None:
         f" every saturated run flagged: {'yes' if flagged else 'NO'}; worst stability-limit error"
         f" {max(limits, default=0) * 100:.1f} %; worst break-even error {max(bes, default=0) * 100:.1f} %"
     )
-    report = {w: to_dict(r) for w, r in run.reports.items()}
-    (args.out / "fidelity.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+    report = {w: to_dict(r) for w, r in reports.items()}
+    (out / "fidelity.json").write_text(json.dumps(report, indent=2, allow_nan=False))
 
 
 if __name__ == "__main__":

@@ -543,6 +543,16 @@ class ModeCurve:
     thrash_rps: float = math.inf
     # What sets stability_limit_rps (LIMIT_REASONS): what an operator would change to raise it.
     limit_reason: str = "throughput_peak"
+    # Where the limit is kv_recompute, the rate the server keeps up with until a burst fills its
+    # KV cache (the full batch's, before recompute): between the two it is metastable, steady
+    # for as long as no excursion reaches the cache. NaN: no such band (the same as the limit).
+    cache_fill_limit_rps: float = math.nan
+
+    @property
+    def metastable_band_rps(self) -> tuple[float, float]:
+        """[limit, the rate kept until the cache fills); empty (lo == hi) without recompute."""
+        hi = self.cache_fill_limit_rps
+        return self.stability_limit_rps, hi if hi > self.stability_limit_rps else self.stability_limit_rps
 
     def step(self, batch: float) -> float:
         """τ(B): one decode (verify) step with B other sequences running (B ≤ the bound)."""
@@ -742,21 +752,27 @@ def mode_curve(
     chain, gained = _chain_rates(segments, waits, ends, bound, lines, sharing)
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
     # found rises with the best state's (the chain's tail is served at the limit).
-    limit, thrash = peak_h * gained, math.inf
+    limit, thrash, fill = peak_h * gained, math.inf, math.nan
     reason = "throughput_peak" if peak_b < bound * (1.0 - 1e-9) else "kv_cache" if kv_bound else "max_num_seqs"
     if kv_bound and p > 0:
         thrash = _kv_thrash_rps(lines, ends, steps, chain, bound, mean_p, g)
         if thrash < limit:
-            limit, peak_b, reason = thrash, bound, "kv_recompute"
+            limit, fill, peak_b, reason = thrash, limit, bound, "kv_recompute"
     curve = ModeCurve(
-        segments, bound, peak_b, limit, lines, ends, reach, steps, k, waits, chain, gained, thrash, reason
+        segments, bound, peak_b, limit, lines, ends, reach, steps, k, waits, chain, gained, thrash, reason, fill
     )
     if model.max_num_batched_tokens is not None and p > 0:
         limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
         if limit < curve.stability_limit_rps:
             curve = replace(
-                curve, stability_limit_rps=limit, peak_batch=curve.batch(limit), limit_reason="token_budget"
+                curve,
+                stability_limit_rps=limit,
+                peak_batch=curve.batch(limit),
+                limit_reason="token_budget",
+                cache_fill_limit_rps=math.nan,
             )
+        elif limit < fill:  # prompts starve before the cache fills: the band ends there
+            curve = replace(curve, cache_fill_limit_rps=limit)
     return curve
 
 

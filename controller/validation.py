@@ -42,6 +42,10 @@ class RowCheck:
     # The model's stationary mean; predicted_s is what a test of the row's duration sees, when
     # the row records it (LoadRow.duration_s), else the same.
     stationary_s: float
+    # Called overloaded only because a KV-full batch recomputes prompts: the rate is below what
+    # the server keeps until a burst fills its cache (ModeCurve.metastable_band_rps), so a test
+    # of finite length may stay steady there as well as fall behind.
+    metastable: bool = False
 
     @property
     def mode(self) -> str:
@@ -64,11 +68,15 @@ class ModeSummary:
     worst_error: float | None  # signed, the largest in magnitude
     saturated_runs: int
     saturated_flagged: int  # saturated runs the model called overloaded
-    false_overloads: int  # runs the model called overloaded that were not saturated
+    false_overloads: int  # runs the model called overloaded that were not saturated (metastable ones aside)
     limit_predicted_rps: float
     limit_measured_rps: tuple[float | None, float | None]  # (highest steady rate, lowest saturated rate)
     limit_error: float | None  # relative distance of the prediction outside that bracket (0 inside)
     limit_reason: str = "throughput_peak"  # what sets the predicted limit (model.LIMIT_REASONS)
+    # kv_recompute: the rate kept until the cache fills; the limit's error is to the band
+    # [limit_predicted_rps, this]. None without such a band.
+    limit_cache_fill_rps: float | None = None
+    metastable_runs: int = 0  # steady runs inside that band (called overloaded, not counted false)
 
 
 @dataclass(frozen=True)
@@ -117,10 +125,12 @@ def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
     else:
         pred, lo, hi = p.latency_off_s, p.latency_off_lo_s, p.latency_off_hi_s
     stationary = pred
+    curve = curves(model, alpha, gamma, _workload(row))[1 if row.sd else 0]
+    band_lo, band_hi = curve.metastable_band_rps
+    metastable = band_lo <= row.rate < band_hi
     if row.duration_s is not None and math.isfinite(pred) and row.rate > 0:
         # The test ran for a while from an empty server: compare it with what such a test
         # sees (near the limit the stationary mean is hours away), at the same interval.
-        curve = curves(model, alpha, gamma, _workload(row))[1 if row.sd else 0]
         window = functools.partial(curve.latency_in_window_s, row.rate, row.duration_s, row.warmup_s)
         spread = INTERVAL_Z * (model.relative_sd_on if row.sd else model.relative_sd_off)
         pred = window()
@@ -128,7 +138,7 @@ def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
     error = None
     if not row.saturated and math.isfinite(pred) and row.mean_e2e_s > 0:
         error = (pred - row.mean_e2e_s) / row.mean_e2e_s
-    return RowCheck(row, pred, lo, hi, error, stationary)
+    return RowCheck(row, pred, lo, hi, error, stationary, metastable)
 
 
 def _curve_key(row: LoadRow) -> tuple[bool, int]:
@@ -141,10 +151,15 @@ def _limit_bracket(checks: Sequence[RowCheck]) -> tuple[float | None, float | No
     return (max(steady) if steady else None, min(saturated) if saturated else None)
 
 
-def _limit_error(predicted: float, bracket: tuple[float | None, float | None]) -> float | None:
+def _limit_error(
+    predicted: float, bracket: tuple[float | None, float | None], predicted_hi: float | None = None
+) -> float | None:
+    """Relative distance of the predicted limit (or band [predicted, predicted_hi]) outside the
+    measured bracket; 0 where they overlap."""
     lo, hi = bracket
-    if lo is not None and predicted < lo:
-        return (predicted - lo) / lo
+    top = predicted if predicted_hi is None else predicted_hi
+    if lo is not None and top < lo:
+        return (top - lo) / lo
     if hi is not None and predicted > hi:
         return (predicted - hi) / hi
     if lo is None and hi is None:
@@ -165,6 +180,8 @@ def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSumm
         limit = curve.stability_limit_rps
         bracket = _limit_bracket(group)
         saturated = [c for c in group if c.measured_saturated]
+        band_lo, band_hi = curve.metastable_band_rps
+        fill = band_hi if band_hi > band_lo else None
         out.append(
             ModeSummary(
                 mode=group[0].mode,
@@ -173,11 +190,15 @@ def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSumm
                 worst_error=max(errs, key=abs) if errs else None,
                 saturated_runs=len(saturated),
                 saturated_flagged=sum(c.predicted_overloaded for c in saturated),
-                false_overloads=sum(c.predicted_overloaded and not c.measured_saturated for c in group),
+                false_overloads=sum(
+                    c.predicted_overloaded and not c.measured_saturated and not c.metastable for c in group
+                ),
                 limit_predicted_rps=limit,
                 limit_measured_rps=bracket,
-                limit_error=_limit_error(limit, bracket),
+                limit_error=_limit_error(limit, bracket, fill),
                 limit_reason=curve.limit_reason,
+                limit_cache_fill_rps=fill,
+                metastable_runs=sum(c.metastable and not c.measured_saturated for c in group),
             )
         )
     return out

@@ -260,12 +260,16 @@ def test_a_kv_full_batch_recomputes_prompts_and_finishes_slower():
     full = off.sharing_gain * top / off.latency_at_batch(top - 1.0)
     assert off.thrash_rps == pytest.approx(full * (decode + prompts) / (decode + prompts * (1.0 + r)), rel=1e-3)
     assert off.stability_limit_rps == off.thrash_rps < full
+    # Up to the full batch's rate the server keeps up until a burst fills the cache: metastable.
+    assert off.metastable_band_rps == (off.thrash_rps, off.cache_fill_limit_rps)
+    assert off.cache_fill_limit_rps == pytest.approx(full, rel=1e-2)  # the continuous peak at the bound
     between = 0.5 * (off.thrash_rps + full)  # the full batch's rate without recompute would keep up
     assert predict_point(m, between, 0.7, 2, w).overloaded_off
     assert off.throughput_at_batch(2 * b, None, 1000.0) == pytest.approx(off.thrash_rps)
     # Where max_num_seqs bounds the batch first the cache never fills: no recompute.
     roomy, _ = curves(replace(m, max_num_seqs=40), 0.7, 2, w)
     assert roomy.batch_bound == 40 and math.isinf(roomy.thrash_rps)
+    assert roomy.metastable_band_rps == (roomy.stability_limit_rps, roomy.stability_limit_rps)
     assert roomy.stability_limit_rps == pytest.approx(roomy.sharing_gain * 40 / roomy.latency_at_batch(40.0), rel=1e-3)
 
 

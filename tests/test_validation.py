@@ -144,6 +144,35 @@ def test_steady_run_the_model_calls_overloaded_is_a_false_overload_without_error
     assert rep.saturated_all_flagged  # vacuously: nothing saturated
 
 
+def test_a_steady_run_between_the_recompute_limit_and_the_full_cache_is_metastable_not_false():
+    # 1,000-token prompts fill a 100k-token cache at ~80 sequences, far below max_num_seqs.
+    model = LatencyModel(
+        target=StepCost(0.010, 2e-5, context_s_per_token=2e-8), draft=StepCost(0.001, 2e-6), max_num_seqs=256,
+        kv_cache_tokens_off=100_000, kv_cache_tokens_on=100_000,
+    )  # fmt: skip
+    off, _ = curves(model, 0.5, 1, Workload(1000.0, 250.0, 250.0))
+    lo, hi = off.metastable_band_rps
+    assert off.limit_reason == "kv_recompute" and lo < hi == off.cache_fill_limit_rps
+
+    def run(rate: float, saturated: bool) -> LoadRow:
+        return LoadRow(rate, False, 0, 0.0, 60.0, 1000.0, 250.0, 2, 250.0, saturated)
+
+    band = (lo + hi) / 2
+    rep = validate(model, [run(0.5 * lo, False), run(band, False), run(1.1 * hi, True)])
+    low, mid, top = rep.rows
+    assert not low.metastable and mid.metastable and mid.predicted_overloaded and mid.error is None
+    assert top.predicted_overloaded and not top.metastable
+    (mode,) = rep.modes
+    assert (mode.false_overloads, mode.metastable_runs) == (0, 1)
+    assert mode.limit_cache_fill_rps == pytest.approx(hi)
+    assert mode.limit_error == 0.0  # the band [lo, hi) overlaps the measured (band, 1.1·hi)
+    # Past the band a steady run is a false overload, and the band's top is what misses.
+    rep = validate(model, [run(0.5 * lo, False), run(1.05 * hi, False), run(1.1 * hi, True)])
+    (mode,) = rep.modes
+    assert (mode.false_overloads, mode.metastable_runs) == (1, 0)
+    assert mode.limit_error == pytest.approx((hi - 1.05 * hi) / (1.05 * hi))
+
+
 # --------------------------------------------------------------------------------------------
 # Per mode
 # --------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 "duration_s": c.row.duration_s,
                 "predicted_interval_s": [finite_or_none(c.predicted_lo_s), finite_or_none(c.predicted_hi_s)],
                 "predicted_overloaded": c.predicted_overloaded,
+                "metastable": c.metastable,
                 "error": c.error,
             }
             for c in report.rows
@@ -66,6 +67,8 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 "limit_measured_rps": list(m.limit_measured_rps),
                 "limit_error": m.limit_error,
                 "limit_reason": m.limit_reason,
+                "limit_cache_fill_rps": m.limit_cache_fill_rps,
+                "metastable_runs": m.metastable_runs,
             }
             for m in report.modes
         ],
@@ -93,6 +96,8 @@ def print_report(report: ValidationReport, console: Console) -> None:
         note = []
         if c.measured_saturated:
             note.append("saturated" + (" (flagged)" if c.predicted_overloaded else " (NOT flagged)"))
+        elif c.metastable:
+            note.append("metastable: overloaded once its KV cache fills")
         elif c.predicted_overloaded:
             note.append("predicted overloaded")
         pred = "overloaded" if c.predicted_overloaded else f"{c.predicted_s:.3f}"
@@ -131,7 +136,9 @@ def print_report(report: ValidationReport, console: Console) -> None:
         measured = f"{'-' if lo is None else f'>{lo:g}'} / {'-' if hi is None else f'<{hi:g}'}"
         m.add_row(
             s.mode, str(s.runs), "-" if s.mean_abs_error is None else f"{s.mean_abs_error * 100:.1f} %", _pct(s.worst_error),
-            f"{s.saturated_flagged}/{s.saturated_runs}", str(s.false_overloads), f"{s.limit_predicted_rps:.2f}", measured,
+            f"{s.saturated_flagged}/{s.saturated_runs}", str(s.false_overloads),
+            f"{s.limit_predicted_rps:.2f}" + ("" if s.limit_cache_fill_rps is None else f"-{s.limit_cache_fill_rps:.2f}"),
+            measured,
             _pct(s.limit_error), s.limit_reason,
         )  # fmt: skip
     console.print(m)

@@ -50,11 +50,13 @@ CODE = WorkloadClass("code", prompt_mean_tokens=1000, prompt_sigma=0.5, gen_mean
 LONG_PROMPT = WorkloadClass(
     "long_prompt", prompt_mean_tokens=4000, prompt_sigma=0.4, gen_mean_tokens=200, gen_shape=2.0
 )
-# Two mixes no part of the model was developed on (stop 30): prompts with a heavy tail (σ = 1.2:
+# Mixes no part of the model was developed on (stop 30): prompts with a heavy tail (σ = 1.2:
 # a few take 10k+ tokens of KV) and generations more spread than exponential, which fill the KV
 # cache before max_num_seqs; and short prompts with long, exponential generations.
 LONG_TAIL = WorkloadClass("long_tail", prompt_mean_tokens=1500, prompt_sigma=1.2, gen_mean_tokens=500, gen_shape=0.7)
 REASONING = WorkloadClass("reasoning", prompt_mean_tokens=300, prompt_sigma=0.8, gen_mean_tokens=1200, gen_shape=1.0)
+# Retrieval-augmented requests (6k-token prompts, short answers) among chat: bimodal prompts.
+RAG = WorkloadClass("rag", prompt_mean_tokens=6000, prompt_sigma=0.3, gen_mean_tokens=150, gen_shape=2.0)
 
 MIXES: dict[str, Mix] = {
     "chat": Mix("chat", ((CHAT, 1.0),)),
@@ -63,6 +65,7 @@ MIXES: dict[str, Mix] = {
     "long_prompt": Mix("long_prompt", ((LONG_PROMPT, 1.0),)),
     "long_tail": Mix("long_tail", ((LONG_TAIL, 1.0),)),
     "reasoning": Mix("reasoning", ((REASONING, 1.0),)),
+    "rag_mix": Mix("rag_mix", ((RAG, 0.3), (CHAT, 0.7))),
 }
 
 
