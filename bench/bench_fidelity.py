@@ -92,7 +92,7 @@ def _revalidate(workdir: Path) -> dict[str, ValidationReport]:
     model = cal_mod.load(workdir / "calibration.json").latency_model()
     csvs = sorted(workdir.glob("load-*.csv"))
     if not csvs:
-        raise SystemExit(f"{workdir}: no load-*.csv to re-validate")
+        raise InputError(f"{workdir}: no load-*.csv to re-validate")
     order = {w: i for i, w in enumerate(fidelity.LoadSettings.workloads)}
     named = sorted(((p.stem.removeprefix("load-"), p) for p in csvs), key=lambda x: (order.get(x[0], len(order)), x[0]))
     return {w: validate(model, cal_mod.read_load_csv(p)[0]) for w, p in named}
