@@ -237,6 +237,9 @@ class Workload:
     gen_tokens: float
     gen_tokens_std: float | None = None  # None: not measured, DEFAULT_GEN_CV·G assumed
     prompt_tokens_std: float | None = None  # None: not measured, every prompt taken as the mean
+    # KV tokens the average running sequence holds, measured from vLLM's gauges
+    # (controller.occupancy); None: derived from the length distribution.
+    running_context_tokens: float | None = None
 
     @property
     def prompt_nodes(self) -> tuple[tuple[float, float], ...]:
@@ -261,11 +264,15 @@ class Workload:
 
     @property
     def mean_context_tokens(self) -> float:
-        """KV context of the average running sequence: P + E[G²]/(2·E[G]).
+        """KV context of the average running sequence: measured, else P + E[G²]/(2·E[G]).
 
         A request with G tokens is in the batch for G steps, its context growing from P to
         P + G, so the batch's context is the residence-weighted mean: Σ_G G·(P + G/2) / Σ_G G.
+        That takes P and G as independent; a measured context (vLLM's KV usage per running
+        sequence) also holds when they are not, e.g. long prompts with short answers.
         """
+        if self.running_context_tokens is not None:
+            return max(float(self.running_context_tokens), 1.0)
         g = max(self.gen_tokens, 1e-9)
         return self.prompt_tokens + (g * g + self.gen_tokens_var) / (2.0 * g)
 
