@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
-from controller.model import LatencyModel, Moe, StepCost
+from controller.model import LatencyModel, Moe, StepCost, Workload
 
 SCHEMA_VERSION = 2
 BENCH_COLUMNS = ("phase", "batch_size", "tokens_per_seq", "context_len", "iteration", "latency_s")
@@ -39,7 +39,14 @@ LOAD_COLUMNS = (
     "mean_prompt_tokens",
     "mean_gen_tokens",
 )
-LOAD_OPTIONAL_COLUMNS = ("gen_tokens_std", "prompt_tokens_std", "saturated", "duration_s", "warmup_s")
+LOAD_OPTIONAL_COLUMNS = (
+    "gen_tokens_std",
+    "prompt_tokens_std",
+    "saturated",
+    "duration_s",
+    "warmup_s",
+    "running_context_tokens",
+)
 DEFAULT_WARMUP = 10
 MIN_BATCH_SIZES = 3
 # A knee must have this many distinct step sizes on each side, lower the BIC by this much and
@@ -322,6 +329,18 @@ class LoadRow:
     prompt_tokens_std: float | None = None
     duration_s: float | None = None  # the test's arrivals span [0, duration) (None: not recorded)
     warmup_s: float = 0.0  # arrivals before this were left out of mean_e2e_s
+    # KV tokens per running sequence from the server's gauges (controller.occupancy); None: not measured.
+    running_context_tokens: float | None = None
+
+    def workload(self) -> Workload:
+        """The request shape the run measured, as the model takes it."""
+        return Workload(
+            self.mean_prompt_tokens,
+            self.mean_gen_tokens,
+            self.gen_tokens_std,
+            self.prompt_tokens_std,
+            running_context_tokens=self.running_context_tokens,
+        )
 
 
 def _read_csv(path: Path, columns: Sequence[str]) -> tuple[list[dict[str, str]], str]:
@@ -439,12 +458,15 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
         if vals["mean_gen_tokens"] <= 0:
             raise InputError(f"{p}:{line}: column mean_gen_tokens: must be > 0")
         opt: dict[str, float | None] = {}  # the optional numeric columns: None when empty
-        for col in ("gen_tokens_std", "prompt_tokens_std", "duration_s", "warmup_s"):
+        for col in ("gen_tokens_std", "prompt_tokens_std", "duration_s", "warmup_s", "running_context_tokens"):
             cell = (r.get(col) or "").strip()
             opt[col] = _number(p, line, col, cell) if cell else None
         for col in ("gen_tokens_std", "prompt_tokens_std"):
             if (opt[col] or 0.0) < 0:
                 raise InputError(f"{p}:{line}: column {col}: {opt[col]:g} is negative")
+        context = opt["running_context_tokens"]
+        if context is not None and context < 1:
+            raise InputError(f"{p}:{line}: column running_context_tokens: {context:g} must be >= 1 (or empty)")
         duration = opt["duration_s"]
         if duration is not None and duration <= 0:
             raise InputError(f"{p}:{line}: column duration_s: must be > 0")
@@ -474,6 +496,7 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 opt["prompt_tokens_std"],
                 duration,
                 warmup,
+                context,
             )
         )
     return rows, digest
@@ -1019,9 +1042,9 @@ def fit_phases(
 
 def _predicted_latency(model: LatencyModel, row: LoadRow) -> float:
     from controller.acceptance import alpha_from_vllm_rate
-    from controller.model import Workload, predict_point
+    from controller.model import predict_point
 
-    workload = Workload(row.mean_prompt_tokens, row.mean_gen_tokens, row.gen_tokens_std, row.prompt_tokens_std)
+    workload = row.workload()
     gamma = row.draft_length if row.sd else 0
     alpha = float(alpha_from_vllm_rate(row.acceptance_rate, max(gamma, 1)))
     p = predict_point(model, row.rate, alpha, max(gamma, 1), workload)

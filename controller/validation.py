@@ -22,7 +22,6 @@ from controller.calibration import LoadRow
 from controller.model import (
     INTERVAL_Z,
     LatencyModel,
-    Workload,
     break_even_rates,
     curves,
     interval_scales,
@@ -112,20 +111,16 @@ def _alpha(row: LoadRow) -> float:
     return float(alpha_from_vllm_rate(row.acceptance_rate, max(row.draft_length, 1))) if row.sd else 0.0
 
 
-def _workload(row: LoadRow) -> Workload:
-    return Workload(row.mean_prompt_tokens, row.mean_gen_tokens, row.gen_tokens_std, row.prompt_tokens_std)
-
-
 def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
     gamma = row.draft_length if row.sd else 1
     alpha = _alpha(row) if row.sd else 0.5
-    p = predict_point(model, row.rate, alpha, gamma, _workload(row))
+    p = predict_point(model, row.rate, alpha, gamma, row.workload())
     if row.sd:
         pred, lo, hi = p.latency_on_s, p.latency_on_lo_s, p.latency_on_hi_s
     else:
         pred, lo, hi = p.latency_off_s, p.latency_off_lo_s, p.latency_off_hi_s
     stationary = pred
-    curve = curves(model, alpha, gamma, _workload(row))[1 if row.sd else 0]
+    curve = curves(model, alpha, gamma, row.workload())[1 if row.sd else 0]
     band_lo, band_hi = curve.metastable_band_rps
     metastable = band_lo <= row.rate < band_hi
     if row.duration_s is not None and math.isfinite(pred) and row.rate > 0:
@@ -175,7 +170,7 @@ def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSumm
     for (sd, gamma), group in sorted(groups.items()):
         errs = [c.error for c in group if c.error is not None]
         ref = group[0].row
-        off, on = curves(model, _alpha(ref) if sd else 0.5, gamma if sd else 1, _workload(_mean_row(group)))
+        off, on = curves(model, _alpha(ref) if sd else 0.5, gamma if sd else 1, _mean_row(group).workload())
         curve = on if sd else off
         limit = curve.stability_limit_rps
         bracket = _limit_bracket(group)
@@ -210,6 +205,9 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
     n = len(rows)
     stds = [r.gen_tokens_std for r in rows if r.gen_tokens_std is not None]
     pstds = [r.prompt_tokens_std for r in rows if r.prompt_tokens_std is not None]
+    # A saturated run's batch is whatever its backlog left in the cache: the steady runs say
+    # what the mix holds.
+    ctxs = [r.running_context_tokens for r in rows if r.running_context_tokens is not None and not r.saturated]
     return LoadRow(
         rate=0.0,
         sd=rows[0].sd,
@@ -221,6 +219,7 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
         line=0,
         gen_tokens_std=sum(stds) / len(stds) if stds else None,
         prompt_tokens_std=sum(pstds) / len(pstds) if pstds else None,
+        running_context_tokens=sum(ctxs) / len(ctxs) if ctxs else None,
     )
 
 
@@ -265,7 +264,7 @@ def _break_evens(model: LatencyModel, checks: Sequence[RowCheck]) -> list[BreakE
         if len(pairs) < 2:
             continue
         ref = _mean_row(group)
-        be = break_even_rates(model, _alpha(ref), gamma, _workload(ref), thresholds=(1.0,))[1.0]
+        be = break_even_rates(model, _alpha(ref), gamma, ref.workload(), thresholds=(1.0,))[1.0]
         measured = _measured_break_even(pairs)
         error = None
         if be.rate_rps is not None and measured is not None and measured > 0:

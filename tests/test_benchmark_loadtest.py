@@ -8,7 +8,7 @@ import pytest
 
 from controller.benchmark import loadtest
 from controller.benchmark.csvio import LoadRow, load_csv
-from controller.benchmark.probe import ProbeError, ProbeRequest, ProbeResult
+from controller.benchmark.probe import GaugeSample, ProbeError, ProbeRequest, ProbeResult, ServerInfo
 from tests.support.fake_bench import Costs, FakeBenchServer
 
 # Slow enough that ~5 requests/s of 64 + 32 tokens fill it.
@@ -110,11 +110,33 @@ def test_summarize_percentiles_and_halves():
 
 def test_load_csv_keeps_the_old_columns_first():
     row = LoadRow(2, True, 4, 0.61234, 1.5, 64, 32, 3.5, 10, 600, 1190, 1190, 1.4, 2.2, 1.45, 1.55, False, "chat")
-    off = LoadRow(8, False, 0, None, 9.0, 64, 32, 0, 0, 600, 4800, 4700, 8, 15, 5, 12, True, "chat")
+    off = LoadRow(8, False, 0, None, 9.0, 64, 32, 0, 0, 600, 4800, 4700, 8, 15, 5, 12, True, "chat", 60, 1234.56)
     assert load_csv([row, off]).splitlines() == [
         "rate,sd,draft_length,acceptance_rate,mean_e2e_s,mean_prompt_tokens,mean_gen_tokens,"
         "gen_tokens_std,prompt_tokens_std,duration_s,sent,completed,e2e_p50_s,e2e_p90_s,"
-        "mean_e2e_first_half_s,mean_e2e_second_half_s,saturated,workload,warmup_s",
-        "2,on,4,0.6123,1.500000,64.00,32.00,3.50,10.00,600,1190,1190,1.400000,2.200000,1.450000,1.550000,0,chat,0",
-        "8,off,0,,9.000000,64.00,32.00,0.00,0.00,600,4800,4700,8.000000,15.000000,5.000000,12.000000,1,chat,0",
+        "mean_e2e_first_half_s,mean_e2e_second_half_s,saturated,workload,warmup_s,running_context_tokens",
+        "2,on,4,0.6123,1.500000,64.00,32.00,3.50,10.00,600,1190,1190,1.400000,2.200000,1.450000,1.550000,0,chat,0,",
+        "8,off,0,,9.000000,64.00,32.00,0.00,0.00,600,4800,4700,8.000000,15.000000,5.000000,12.000000,1,chat,60,1234.6",
     ]
+
+
+def test_the_running_context_comes_from_the_gauges_of_the_measured_window():
+    info = ServerInfo(0, kv_cache_tokens=100_000, block_size=16)
+    gauges = [
+        GaugeSample(5.0, 50.0, 0.9),  # the warm-up: left out
+        GaugeSample(20.0, 10.0, 0.1),
+        GaugeSample(40.0, 30.0, 0.5),
+        GaugeSample(130.0, 1.0, 0.9),  # the drain: left out
+    ]
+    # Mean usage 0.3 of 100k tokens over a mean 20 running: 1,500 each, less half a block.
+    assert loadtest.measured_context(gauges, info, 10.0, 100.0) == pytest.approx(1500.0 - 7.5)
+    assert loadtest.measured_context(gauges, ServerInfo(0, kv_cache_tokens=None), 10.0, 100.0) is None
+    assert loadtest.measured_context([], info, 10.0, 100.0) is None
+    # No block size exported: vLLM's GPU default.
+    assert loadtest.measured_context(gauges, ServerInfo(0, 100_000), 10.0, 100.0) == pytest.approx(1492.5)
+
+
+def test_a_server_without_batch_gauges_leaves_the_context_empty():
+    (row,) = loadtest.run_load(slow_server(), FIXED, plan())
+    assert row.running_context_tokens is None
+    assert load_csv([row]).splitlines()[1].endswith(",chat,6,")

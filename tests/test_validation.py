@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -439,6 +440,9 @@ def test_cli_table_output(monkeypatch, capsys, calibration_file, load_csv):
         (2, {"duration_s": "0"}, "column duration_s"),
         (3, {"duration_s": "600", "warmup_s": "600"}, "column warmup_s"),
         (4, {"duration_s": "600", "warmup_s": "soon"}, "column warmup_s"),
+        (2, {"running_context_tokens": "0"}, "column running_context_tokens"),
+        (3, {"running_context_tokens": "lots"}, "column running_context_tokens"),
+        (4, {"running_context_tokens": "nan"}, "column running_context_tokens"),
     ],
 )
 def test_cli_bad_csv_exits_2_with_one_line_naming_file_and_line(
@@ -501,6 +505,24 @@ def test_a_run_that_records_its_length_is_compared_with_what_such_a_test_sees():
         b.stationary_s,
         600.0,
     )
+
+
+def test_a_measured_running_context_is_read_and_predicted_with(tmp_path):
+    from controller.commands.validate import to_dict
+
+    rows = [{**csv_row(4.0, False, 1.0), "running_context_tokens": 4000}, csv_row(4.0, False, 1.0)]
+    parsed, _ = cal_mod.read_load_csv(write_load_csv(tmp_path / "load.csv", rows))
+    assert (parsed[0].running_context_tokens, parsed[1].running_context_tokens) == (4000.0, None)
+    reads_kv = replace(MODEL, target=StepCost(0.010, 0.001, context_s_per_token=1e-6))
+    measured, derived = validate(reads_kv, parsed).rows
+    # The same run with a longer batch context reads more KV per step: a slower prediction.
+    assert parsed[1].workload().mean_context_tokens < 4000.0
+    assert measured.predicted_s > 1.05 * derived.predicted_s
+    assert validate(MODEL, parsed).rows[0].predicted_s == validate(MODEL, parsed).rows[1].predicted_s
+    out = to_dict(validate(reads_kv, parsed))["rows"]
+    assert (out[0]["running_context_tokens"], out[0]["running_context_measured"]) == (4000.0, True)
+    assert out[1]["running_context_measured"] is False
+    assert out[1]["running_context_tokens"] == pytest.approx(parsed[1].workload().mean_context_tokens)
 
 
 def test_the_window_columns_are_read_from_the_csv(tmp_path):

@@ -33,6 +33,7 @@ LOAD_COLUMNS = (
     "saturated",
     "workload",
     "warmup_s",
+    "running_context_tokens",
 )
 
 
@@ -73,6 +74,8 @@ class LoadRow:
     saturated: bool
     workload: str
     warmup_s: float = 0.0  # arrivals before this are left out of the means (validate replays it)
+    # KV tokens per running sequence from the batch gauges (controller.occupancy); None: not exported.
+    running_context_tokens: float | None = None
 
 
 def _render(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -128,6 +131,7 @@ def load_csv(rows: Sequence[LoadRow]) -> str:
                 1 if r.saturated else 0,
                 r.workload,
                 f"{r.warmup_s:g}",
+                "" if r.running_context_tokens is None else f"{r.running_context_tokens:.1f}",
             )
             for r in rows
         ],

@@ -7,7 +7,8 @@ prefill free); ``ignore_eos`` and temperature 0 make the lengths exact, and ever
 ``usage`` is checked against what was asked. Requests go out open-loop: each at its
 ``send_at_s`` from a thread pool, whether or not earlier ones have finished.
 
-/metrics is parsed with prometheus-client's parser. The draft length is the user's word
+/metrics is parsed with prometheus-client's parser; during a probe a thread scrapes the batch
+gauges (running sequences, KV cache usage) once a second. The draft length is the user's word
 (vLLM does not export it), cross-checked: SD series present ⇔ draft_length > 0. The API key
 is only ever put in a header; errors name the URL and the failure, never the key.
 """
@@ -15,6 +16,7 @@ is only ever put in a header; errors name the URL and the failure, never the key
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 import time
@@ -24,12 +26,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.benchmark.probe import ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
+from controller.benchmark.probe import (
+    GaugeSample,
+    ProbeError,
+    ProbeRequest,
+    ProbeResult,
+    ServerCounters,
+    ServerInfo,
+)
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 CACHE_INFO = "vllm:cache_config_info"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+GAUGE_INTERVAL_S = 1.0  # how often a probe scrapes the batch gauges
 MAX_WORKERS = 512  # concurrent requests in flight; beyond that sends are late (open loop bends)
 MIN_POOL_TOKENS = 16
 
@@ -76,6 +88,7 @@ class HttpServer:
         self._pools: dict[str, list[int]] = {}
         self._max_model_len: int | None = None
         self._lock = threading.Lock()
+        self._gauges: list[GaugeSample] = []
 
     # ---- plumbing --------------------------------------------------------------------------
 
@@ -136,15 +149,35 @@ class HttpServer:
                 f"{self.url}/metrics has no vllm:spec_decode_* series but --draft-length is {self.draft_length}: "
                 "is SD on?"
             )
-        kv_tokens = None
+        kv_tokens = block_size = None
         for s in samples:
             if s.name == CACHE_INFO:
                 try:
-                    kv_tokens = int(s.labels["num_gpu_blocks"]) * int(s.labels["block_size"])
+                    block_size = int(s.labels["block_size"])
+                    kv_tokens = int(s.labels["num_gpu_blocks"]) * block_size
                 except (KeyError, ValueError):
-                    kv_tokens = None
+                    kv_tokens = block_size = None
                 break
-        return ServerInfo(self.draft_length, kv_tokens)
+        return ServerInfo(self.draft_length, kv_tokens, block_size=block_size)
+
+    def gauges(self) -> list[GaugeSample]:
+        return list(self._gauges)
+
+    def _scrape_gauges(self, start: float, stop: threading.Event, out: list[GaugeSample]) -> None:
+        """Until ``stop``: the batch gauges once per GAUGE_INTERVAL_S. A failed scrape is a gap,
+        not a failed probe (the requests are what is measured)."""
+        while not stop.is_set():
+            at = time.perf_counter() - start
+            try:
+                samples = self._metric_samples()
+            except ProbeError:
+                samples = []
+            running = [float(s.value) for s in samples if s.name == RUNNING]
+            usage = [float(s.value) for s in samples if s.name == KV_USAGE]
+            if running and usage and all(math.isfinite(v) for v in (*running, *usage)):
+                # Engines share the load alike; their usage fractions average to the whole cache's.
+                out.append(GaugeSample(at, sum(running), sum(usage) / len(usage)))
+            stop.wait(GAUGE_INTERVAL_S)
 
     def token_pool(self, kind: str = "") -> list[int]:
         """Token ids of a generated text of this kind, tokenized by the server itself (cached)."""
@@ -181,8 +214,14 @@ class HttpServer:
         futures: dict[int, Future[ProbeResult]] = {}
         pool_size = max(1, min(len(requests_), self.max_workers))
         executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="bench")
+        gauges: list[GaugeSample] = []
+        scraped = threading.Event()
+        start = time.perf_counter()
+        scraper = threading.Thread(
+            target=self._scrape_gauges, args=(start, scraped, gauges), name="bench-gauges", daemon=True
+        )
+        scraper.start()
         try:
-            start = time.perf_counter()
             for i in order:
                 delay = start + requests_[i].send_at_s - time.perf_counter()
                 if delay > 0 and stop.wait(delay):
@@ -196,6 +235,9 @@ class HttpServer:
         finally:
             stop.set()  # after an error: send nothing more
             executor.shutdown(wait=True, cancel_futures=True)
+            scraped.set()
+            scraper.join()
+            self._gauges = gauges
         if len(done) != len(requests_):
             raise self._error(f"only {len(done)} of {len(requests_)} requests were sent")
         return [done[i] for i in range(len(requests_))]

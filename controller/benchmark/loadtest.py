@@ -14,6 +14,9 @@ of the duration, while the queue fills). ``acceptance_rate`` is vLLM's definitio
 off. ``saturated`` = 1 when some request finished later than duration + drain limit, or the
 mean e2e latency of the second half of the measured window exceeds 1.5× the first half's (the
 queue is still growing: the rate is at or past capacity and the means depend on the duration).
+``running_context_tokens`` is the KV context per running sequence over the measured window,
+from the batch gauges the server exported during the run (:mod:`controller.occupancy`), empty
+when it exported none.
 Rates run in ascending order and stop after the first saturated one: a higher rate would only
 queue longer.
 """
@@ -30,7 +33,8 @@ import numpy as np
 
 from controller.benchmark.csvio import LoadRow
 from controller.benchmark.micro import check_results, check_sd_config
-from controller.benchmark.probe import BenchServer, ProbeError, ProbeRequest, ProbeResult
+from controller.benchmark.probe import BenchServer, GaugeSample, ProbeError, ProbeRequest, ProbeResult, ServerInfo
+from controller.occupancy import running_context_tokens
 
 MakeRequests = Callable[[float, float, random.Random], list[ProbeRequest]]
 
@@ -38,6 +42,7 @@ WARMUP_FRACTION = 0.1
 SATURATION_GROWTH = 1.5  # second-half / first-half mean e2e above this: the queue is growing
 MAX_DURATION_S = 4 * 3600.0
 MAX_REQUESTS = 100_000
+DEFAULT_BLOCK_SIZE = 16  # vLLM's on GPUs, when cache_config_info does not say
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,17 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
+def measured_context(gauges: Sequence[GaugeSample], info: ServerInfo, lo_s: float, hi_s: float) -> float | None:
+    """KV tokens per running sequence from the gauges scraped in [lo_s, hi_s]; None: no data."""
+    inside = [g for g in gauges if lo_s <= g.at_s <= hi_s]
+    if not inside or not info.kv_cache_tokens:
+        return None
+    usage = statistics.fmean(g.kv_usage for g in inside)
+    running = statistics.fmean(g.running for g in inside)
+    # Random token prompts share no prefix: nothing comes from the prefix cache.
+    return running_context_tokens(usage, float(info.kv_cache_tokens), running, info.block_size or DEFAULT_BLOCK_SIZE)
+
+
 def summarize(
     rate: float,
     requests: Sequence[ProbeRequest],
@@ -97,6 +113,7 @@ def summarize(
     plan: LoadPlan,
     draft_length: int,
     acceptance_rate: float | None,
+    running_context: float | None = None,
 ) -> LoadRow:
     """The CSV row of one rate from its requests' observables."""
     warm_s = WARMUP_FRACTION * plan.duration_s
@@ -131,6 +148,7 @@ def summarize(
         saturated=completed < len(results) or growing,
         workload=plan.workload,
         warmup_s=warm_s,
+        running_context_tokens=running_context,
     )
 
 
@@ -167,7 +185,8 @@ def run_load(
             if drafted <= 0:
                 raise ProbeError(f"rate {rate:g}: SD is on but no draft tokens were counted")
             acceptance = min(max(accepted / drafted, 0.0), 1.0)
-        row = summarize(rate, requests, results, plan, gamma, acceptance)
+        context = measured_context(server.gauges(), info, WARMUP_FRACTION * plan.duration_s, plan.duration_s)
+        row = summarize(rate, requests, results, plan, gamma, acceptance, context)
         rows.append(row)
         if progress is not None:
             progress(row)

@@ -1,8 +1,8 @@
 """What a benchmark may ask of a server, and what it gets back.
 
 A :class:`BenchServer` answers one question: "send these requests at these offsets; when did
-each one's first token and last token come back?" plus the counters a user can scrape from
-vLLM's /metrics. Nothing else: a benchmark that needs a number must derive it from these
+each one's first token and last token come back?" plus the counters and batch gauges a user
+can scrape from vLLM's /metrics. Nothing else: a benchmark that needs a number must derive it from these
 observables, which is all a real server offers. A real vLLM over HTTP and a simulated server
 implement the same protocol.
 """
@@ -56,8 +56,18 @@ class ServerInfo:
 
     draft_length: int  # γ of its speculative config; 0 = SD off
     kv_cache_tokens: int | None = None  # vllm:cache_config_info num_gpu_blocks × block_size
+    block_size: int | None = None  # vllm:cache_config_info block_size: tokens per KV block
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class GaugeSample:
+    """vLLM's batch gauges as one scrape saw them during a probe."""
+
+    at_s: float  # seconds after the probe started
+    running: float  # vllm:num_requests_running (summed over engines)
+    kv_usage: float  # vllm:kv_cache_usage_perc, a fraction of the cache (0–1)
 
 
 class BenchServer(Protocol):
@@ -76,6 +86,10 @@ class BenchServer(Protocol):
 
         Raises :class:`controller.benchmark.probe.ProbeError` (one line) when a request fails.
         """
+        ...
+
+    def gauges(self) -> Sequence[GaugeSample]:
+        """The batch gauges scraped about once a second during the last probe (empty: none exported)."""
         ...
 
 

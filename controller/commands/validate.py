@@ -51,6 +51,10 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 "predicted_overloaded": c.predicted_overloaded,
                 "metastable": c.metastable,
                 "error": c.error,
+                # The batch's KV context the prediction read: measured by the load test's gauges,
+                # or derived from the lengths (taken as independent).
+                "running_context_tokens": c.row.workload().mean_context_tokens,
+                "running_context_measured": c.row.running_context_tokens is not None,
             }
             for c in report.rows
         ],

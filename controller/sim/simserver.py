@@ -12,8 +12,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from controller.benchmark.probe import ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
-from controller.sim.stepsim import ServerSpec, simulate
+from controller.benchmark.probe import (
+    GaugeSample,
+    ProbeError,
+    ProbeRequest,
+    ProbeResult,
+    ServerCounters,
+    ServerInfo,
+)
+from controller.sim.stepsim import ServerSpec, SimResult, simulate
 
 
 class SimulatedServer:
@@ -26,6 +33,7 @@ class SimulatedServer:
         self._draft_tokens = 0
         self._accepted = 0
         self._kv_tokens = spec.kv_tokens()
+        self._gauges: list[GaugeSample] = []
 
     def info(self) -> ServerInfo:
         return ServerInfo(
@@ -33,7 +41,11 @@ class SimulatedServer:
             kv_cache_tokens=self._kv_tokens,
             max_num_seqs=self.spec.max_num_seqs,
             max_num_batched_tokens=self.spec.max_num_batched_tokens,
+            block_size=self.spec.block_size,
         )
+
+    def gauges(self) -> list[GaugeSample]:
+        return list(self._gauges)
 
     def counters(self) -> ServerCounters:
         if not self.spec.sd_on:
@@ -64,6 +76,7 @@ class SimulatedServer:
         self._drafts += res.num_drafts
         self._draft_tokens += res.num_draft_tokens
         self._accepted += res.num_accepted_tokens
+        self._gauges = _scrapes(res, self._kv_tokens // self.spec.block_size * self.spec.block_size)
         return [
             ProbeResult(
                 sent_s=float(res.arrival_s[i]),
@@ -75,3 +88,19 @@ class SimulatedServer:
             )
             for i in range(len(requests))
         ]
+
+
+SCRAPE_INTERVAL_S = 1.0
+
+
+def _scrapes(res: SimResult, cache_tokens: int) -> list[GaugeSample]:
+    """The gauges a scraper polling once a second would have read: the state after the last
+    step that ended by each scrape (an idle engine before the first)."""
+    if res.step_end_s.size == 0:
+        return []
+    at = np.arange(0.0, float(res.step_end_s[-1]) + SCRAPE_INTERVAL_S, SCRAPE_INTERVAL_S)
+    last = np.searchsorted(res.step_end_s, at, side="right") - 1
+    running = np.where(last >= 0, res.step_running[np.maximum(last, 0)], 0)
+    held = np.where(last >= 0, res.step_kv_tokens[np.maximum(last, 0)], 0)
+    usage = held / max(cache_tokens, 1)  # vLLM: 1 − free blocks / all blocks
+    return [GaugeSample(float(a), float(n), float(u)) for a, n, u in zip(at, running, usage, strict=True)]

@@ -108,6 +108,11 @@ class SimResult:
     step_tokens: np.ndarray  # per step: scheduled tokens (target)
     step_seqs: np.ndarray  # per step: scheduled sequences
     step_s: np.ndarray  # per step: duration
+    # After each step, what vLLM's gauges would read: its end, sequences running
+    # (vllm:num_requests_running) and KV tokens allocated (vllm:kv_cache_usage_perc × the cache).
+    step_end_s: np.ndarray = field(default_factory=lambda: np.empty(0))
+    step_running: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    step_kv_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     token_times: dict[int, list[float]] | None = None  # traced requests: end of each step that emitted
 
     @property
@@ -174,6 +179,9 @@ def simulate(
     log_tokens: list[int] = []
     log_seqs: list[int] = []
     log_s: list[float] = []
+    log_end: list[float] = []
+    log_running: list[int] = []
+    log_kv: list[int] = []
     traced = np.zeros(n, dtype=bool) if trace is None else np.asarray(trace, dtype=bool)
     token_times: dict[int, list[float]] = {int(i): [] for i in np.flatnonzero(traced)}
 
@@ -286,6 +294,9 @@ def simulate(
         log_tokens.append(int(sched.sum()))
         log_seqs.append(int(r.size))
         log_s.append(dt)
+        log_end.append(t_end)
+        log_running.append(int(running.size))
+        log_kv.append((total_blocks - free_blocks) * bs)
         if token_times:
             for rid in r[(emitted > 0) & traced[r]].tolist():
                 token_times[rid].append(t_end)
@@ -308,6 +319,9 @@ def simulate(
         step_tokens=np.asarray(log_tokens, dtype=np.int64),
         step_seqs=np.asarray(log_seqs, dtype=np.int64),
         step_s=np.asarray(log_s),
+        step_end_s=np.asarray(log_end),
+        step_running=np.asarray(log_running, dtype=np.int64),
+        step_kv_tokens=np.asarray(log_kv, dtype=np.int64),
         token_times=token_times or None,
     )
 

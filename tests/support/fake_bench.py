@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from controller.benchmark.probe import ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
+from controller.benchmark.probe import GaugeSample, ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,9 @@ class FakeBenchServer:
         if self.draft_length <= 0:
             return ServerCounters()
         return ServerCounters(self.accepted, self.draft_tokens, self.drafts)
+
+    def gauges(self) -> list[GaugeSample]:
+        return []  # exports no batch gauges (an older server): load tests leave the context empty
 
     def probe(self, requests: Sequence[ProbeRequest]) -> list[ProbeResult]:
         if self.fail_after_probes is not None and len(self.probes) >= self.fail_after_probes:
