@@ -15,6 +15,7 @@ import statistics
 import pytest
 
 from controller.benchmark.http import HttpServer
+from controller.benchmark.loadtest import LoadPlan, lognormal_workload, run_load
 from controller.benchmark.micro import MicroPlan, run_micro
 from controller.benchmark.probe import ProbeError, ProbeRequest
 from controller.commands import bench as cli
@@ -202,3 +203,43 @@ def test_the_bench_subcommand_points_here():
     from controller.cli import SUBCOMMANDS
 
     assert SUBCOMMANDS["bench"][0] == "controller.commands.bench"
+
+
+class GaugedVllm(FakeVllmServer):
+    """The fake with vLLM 0.32's KV cache gauge (the fake's engine does not model a cache)."""
+
+    kv_usage: float | None = 0.25
+
+    def render(self) -> str:
+        if self.kv_usage is None:  # /metrics breaks: the connection drops without an answer
+            raise RuntimeError("scrape failed")
+        return super().render() + (
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{engine="{self.engine}",model_name="{self.model_name}"}} {self.kv_usage}\n'
+        )
+
+
+def test_a_load_test_reads_the_running_context_from_the_gauges_it_scrapes():
+    with GaugedVllm(sd_enabled=False) as server:
+        server.cache_config = (1000, 16)
+        server.prefill_s, server.step_s = 0.0, 0.001
+        server.set_gauges(running=5.0)
+        http = HttpServer(server.url, "tiny", 10)
+        assert http.info().block_size == 16
+        rate_plan = LoadPlan(rates=(4.0,), duration_s=3.5, drain_s=5.0, workload="chat", seed=1)
+        (row,) = run_load(http, lognormal_workload(8, 4, 0.0, kind="chat"), rate_plan)
+        # Scraped about once a second through the probe; the warm-up's scrape left out.
+        inside = [g for g in http.gauges() if 0.35 <= g.at_s <= 3.5]
+        assert len(inside) >= 2 and all((g.running, g.kv_usage) == (5.0, 0.25) for g in inside)
+        # A quarter of 16,000 tokens over 5 running sequences, less half a block.
+        assert row.running_context_tokens == pytest.approx(0.25 * 16_000 / 5 - 7.5)
+
+
+def test_a_failed_gauge_scrape_is_a_gap_not_a_failed_probe():
+    with GaugedVllm(sd_enabled=False) as server:
+        server.kv_usage = None
+        http = HttpServer(server.url, "tiny", 10)
+        results = http.probe([ProbeRequest(0.0, 8, 3), ProbeRequest(1.2, 8, 3)])
+        assert [r.generated_tokens for r in results] == [3, 3]
+        assert http.gauges() == []
