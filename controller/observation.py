@@ -61,6 +61,9 @@ class Observation:
     fleet_arrival_rate_rps: float | None = None
     fleet_replicas: int | None = None
     fleet_arrival_rate_long_rps: float | None = None  # the fleet's rate over long_window_s, for its trend
+    # KV tokens the average running sequence reads, from vLLM's KV-usage gauges over the rate
+    # window (controller/occupancy.py); None on servers (or simulators) that do not export them.
+    running_context_tokens: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -79,6 +82,7 @@ class Observation:
             "sample_age_s",
             "fleet_arrival_rate_rps",
             "fleet_arrival_rate_long_rps",
+            "running_context_tokens",
         ):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):

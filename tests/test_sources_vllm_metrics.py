@@ -301,3 +301,133 @@ def test_a_body_cut_off_mid_transfer_is_an_unreachable_observation_not_a_crash()
         t.join(timeout=5)
         srv.close()
     assert isinstance(got, ObservationFailure) and got.reason is FailureReason.UNREACHABLE
+
+
+def kv_exposition(
+    success: float,
+    running: dict[str, float],
+    usage: dict[str, float | str],
+    config: dict[str, tuple[int | str, int]],
+    cached: float | None = None,
+) -> str:
+    """vLLM 0.32-shaped text with the KV context's series, per engine: running, KV usage,
+    ``vllm:cache_config_info`` (no model_name label, as vLLM writes it) and the prefix-cache counter."""
+    lines = [
+        "# TYPE vllm:request_success_total counter",
+        f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="tiny"}} {success}',
+        "# TYPE vllm:request_success_created gauge",
+        'vllm:request_success_created{engine="0",finished_reason="stop",model_name="tiny"} 1000.0',
+        "# TYPE vllm:num_requests_running gauge",
+        *(f'vllm:num_requests_running{{engine="{e}",model_name="tiny"}} {r}' for e, r in running.items()),
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0',
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        *(f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="tiny"}} {u}' for e, u in usage.items()),
+        "# TYPE vllm:cache_config_info gauge",
+        *(
+            f'vllm:cache_config_info{{block_size="{bs}",cache_dtype="auto",engine="{e}",num_gpu_blocks="{n}"}} 1.0'
+            for e, (n, bs) in config.items()
+        ),
+    ]
+    if cached is not None:
+        lines += [
+            "# TYPE vllm:prompt_tokens_cached_total counter",
+            f'vllm:prompt_tokens_cached_total{{engine="0",model_name="tiny"}} {cached}',
+            "# TYPE vllm:prompt_tokens_cached_created gauge",
+            'vllm:prompt_tokens_cached_created{engine="0",model_name="tiny"} 1000.0',
+            # per tier: the same tokens again, never to be added to the total
+            "# TYPE vllm:prompt_tokens_cached_by_source_total counter",
+            f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="tiny",source="device"}} {cached}',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+CACHE = {"0": (8192, 128)}  # the captured server's: 1 048 576 tokens in blocks of 128
+HALF_BLOCK = 0.5 * (128 - 1)
+
+
+def context_after(first: str, second: str, **kw) -> Observation:
+    feed = Feed()
+    src = VllmMetricsSource(fetch=feed, rate_window_s=60, model_name="tiny", **kw)
+    feed.text = first
+    src.observe(2000.0)
+    feed.text = second
+    o = src.observe(2060.0)
+    assert isinstance(o, Observation), o
+    return o
+
+
+def test_the_captured_server_exports_its_cache_capacity():
+    snap = parse_snapshot(Path(f"{FIXTURES}/metrics-sd-off.txt").read_text(), 0.0, model_name="tiny")
+    assert snap.kv_capacity["0"].tokens == 8192 * 128 and snap.kv_capacity["0"].block_size == 128
+    assert snap.kv_usage == {"0": 0.0} and snap.prompt_cached == 0.0
+
+
+def test_running_context_one_engine_is_the_ratio_of_the_window_means():
+    # Usage 0.3 -> 0.1 while the batch grows 4 -> 12: the window holds 0.2 of the cache for 8
+    # sequences on average (the mean of the per-scrape ratios would say 43 690, not 26 214).
+    o = context_after(
+        kv_exposition(100, {"0": 4}, {"0": 0.3}, CACHE),
+        kv_exposition(160, {"0": 12}, {"0": 0.1}, CACHE),
+    )
+    assert o.running_context_tokens == pytest.approx(0.2 * 8192 * 128 / 8 - HALF_BLOCK)
+    assert o.arrival_rate_rps == pytest.approx((60 + 8) / 60)
+
+
+def test_running_context_sums_the_engines_tokens_over_their_sequences():
+    # Data parallel, unequal caches: 0.5 of 1 048 576 and 0.25 of 524 288 tokens for 10 + 2 sequences.
+    engines = {"0": (8192, 128), "1": (4096, 128)}
+    text = [kv_exposition(s, {"0": 10, "1": 2}, {"0": 0.5, "1": 0.25}, engines) for s in (100, 160)]
+    o = context_after(*text)
+    assert o.running_context_tokens == pytest.approx((0.5 * 1_048_576 + 0.25 * 524_288) / 12 - HALF_BLOCK)
+    # An engine whose KV usage is not exported: its sequences' tokens are unknown.
+    text = [kv_exposition(s, {"0": 10, "1": 2}, {"0": 0.5}, engines) for s in (100, 160)]
+    assert context_after(*text).running_context_tokens is None
+    # An engine without a cache config: its capacity is unknown.
+    text = [kv_exposition(s, {"0": 10, "1": 2}, {"0": 0.5, "1": 0.25}, CACHE) for s in (100, 160)]
+    assert context_after(*text).running_context_tokens is None
+
+
+def test_prefix_cache_hits_are_added_back_per_completed_request():
+    # 60 requests completed in the window, 9000 of their prompt tokens served from the cache.
+    o = context_after(
+        kv_exposition(100, {"0": 8}, {"0": 0.2}, CACHE, cached=50_000),
+        kv_exposition(160, {"0": 8}, {"0": 0.2}, CACHE, cached=59_000),
+    )
+    assert o.running_context_tokens == pytest.approx(0.2 * 1_048_576 / 8 - HALF_BLOCK + 150)
+    # The counter restarted with vLLM (it went down): its increase is its new value.
+    o = context_after(
+        kv_exposition(100, {"0": 8}, {"0": 0.2}, CACHE, cached=50_000),
+        kv_exposition(160, {"0": 8}, {"0": 0.2}, CACHE, cached=3_000),
+    )
+    assert o.running_context_tokens == pytest.approx(0.2 * 1_048_576 / 8 - HALF_BLOCK + 50)
+
+
+def test_missing_kv_series_leave_the_context_unmeasured_and_the_observation_whole():
+    plain = [exposition(s, created=1000.0, running=8) for s in (100, 160)]  # the simulator's shape
+    o = context_after(*plain)
+    assert o.running_context_tokens is None and o.arrival_rate_rps == pytest.approx(1.0)
+    no_config = [kv_exposition(s, {"0": 8}, {"0": 0.2}, {}) for s in (100, 160)]
+    assert context_after(*no_config).running_context_tokens is None
+    undecided = [kv_exposition(s, {"0": 8}, {"0": 0.2}, {"0": ("None", 128)}) for s in (100, 160)]
+    assert context_after(*undecided).running_context_tokens is None
+    idle = [kv_exposition(s, {"0": 0}, {"0": 0.0}, CACHE) for s in (100, 160)]
+    assert context_after(*idle).running_context_tokens is None
+
+
+@pytest.mark.parametrize("usage", [1.7, -0.1, "NaN", "+Inf"])
+def test_garbage_kv_usage_is_unmeasured_never_a_failed_observation(usage):
+    o = context_after(
+        kv_exposition(100, {"0": 8}, {"0": 0.2}, CACHE),
+        kv_exposition(160, {"0": 8}, {"0": usage}, CACHE),
+        max_num_seqs=256,
+    )
+    assert o.running_context_tokens is None and o.arrival_rate_rps == pytest.approx(1.0)
+
+
+def test_garbage_prefix_cache_counter_is_unmeasured_never_a_failed_observation():
+    o = context_after(
+        kv_exposition(100, {"0": 8}, {"0": 0.2}, CACHE, cached=50_000),
+        kv_exposition(160, {"0": 8}, {"0": 0.2}, CACHE, cached=float("nan")),
+    )
+    assert o.running_context_tokens is None and o.arrival_rate_rps == pytest.approx(1.0)

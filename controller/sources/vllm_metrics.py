@@ -11,6 +11,11 @@ restart), a negative counter, more running requests than ``max_num_seqs`` per en
 completion rate above ``max_rate_rps`` (what the server could possibly serve). After
 ``MAX_IMPLAUSIBLE_STREAK`` such scrapes in a row the history starts over (warming up again), so
 a lasting shift cannot hold the controller forever.
+
+The running batch's KV context (``Observation.running_context_tokens``) comes from the KV-usage
+gauges and ``vllm:cache_config_info``, kept apart from the counters and gauges above: a server
+that lacks them, or exports nonsense in them, leaves that one field ``None`` and is otherwise
+observed as usual.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,6 +34,15 @@ from controller import deadline
 from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 from controller.sources.base import TRANSIENT_HTTP_ERRORS
+from controller.sources.kv_context import (
+    CACHE_CONFIG,
+    PROMPT_CACHED,
+    USAGE,
+    CacheCapacity,
+    cache_capacity,
+    context_tokens,
+    held_tokens,
+)
 
 SUCCESS = "vllm:request_success"
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -53,9 +67,24 @@ class Snapshot:
     gauges: dict[str, float] = field(default_factory=dict)
     sd_present: bool = False
     running_engines: int = 0  # series of vllm:num_requests_running (one per engine)
+    # The KV context's inputs, by engine label; never checked for plausibility with the rest.
+    kv_usage: dict[str, float] = field(default_factory=dict)
+    kv_capacity: dict[str, CacheCapacity] = field(default_factory=dict)
+    prompt_cached: float | None = None  # vllm:prompt_tokens_cached_total, summed over engines
 
 
-_WANTED = (SUCCESS, DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS, RUNNING, WAITING)
+_WANTED = (
+    SUCCESS,
+    DRAFTS,
+    DRAFT_TOKENS,
+    ACCEPTED,
+    ACCEPTED_PER_POS,
+    RUNNING,
+    WAITING,
+    USAGE,
+    CACHE_CONFIG,
+    PROMPT_CACHED,
+)
 _WANTED_HIST = (PROMPT, GENERATION, E2E)
 _SPREAD_HIST = (PROMPT, GENERATION)  # their buckets give the lengths' spread
 
@@ -87,6 +116,9 @@ def parse_snapshot(text: str, now: float, model_name: str | None = None) -> Snap
         if not family.name.startswith("vllm:"):
             continue
         seen_vllm = True
+        if family.name in (USAGE, CACHE_CONFIG, PROMPT_CACHED, PROMPT_CACHED + "_created"):
+            _read_kv(snap, family.name, family.samples, model_name)
+            continue
         for s in family.samples:
             if model_name is not None and s.labels.get("model_name") != model_name:
                 continue
@@ -107,6 +139,25 @@ def parse_snapshot(text: str, now: float, model_name: str | None = None) -> Snap
     if not seen_vllm:
         raise ValueError("no vllm: metric families in the payload")
     return snap
+
+
+def _read_kv(snap: Snapshot, family: str, samples: list, model_name: str | None) -> None:
+    """The KV context's series into the snapshot's own fields."""
+    for s in samples:
+        # vllm:cache_config_info has no model_name label (one model per server anyway).
+        if model_name is not None and s.labels.get("model_name", model_name) != model_name:
+            continue
+        engine = s.labels.get("engine", "")
+        if family == USAGE:
+            snap.kv_usage[engine] = float(s.value)
+        elif family == CACHE_CONFIG:
+            capacity = cache_capacity(s.labels)
+            if capacity is not None:
+                snap.kv_capacity[engine] = capacity
+        elif family == PROMPT_CACHED + "_created" or s.name == PROMPT_CACHED + "_created":
+            snap.created[PROMPT_CACHED] = min(snap.created.get(PROMPT_CACHED, math.inf), float(s.value))
+        elif s.name == PROMPT_CACHED + "_total":
+            snap.prompt_cached = (snap.prompt_cached or 0.0) + float(s.value)
 
 
 def _key(family: str, sample: str, labels: dict[str, str]) -> tuple[str, str] | None:
@@ -354,6 +405,44 @@ class VllmMetricsSource:
                 rates.append(inc / dt)
         return max(rates) if rates else None
 
+    def _running_context(self, now: float) -> float | None:
+        """KV tokens per running sequence over the rate window: the time-means of Σ usage ×
+        capacity and of the running sequences; None unless every scrape in it has them all."""
+        win = self._window(now, self.rate_window_s)
+        held, running = [], []
+        for s in win:
+            h = held_tokens(s.kv_usage, s.kv_capacity)
+            r = s.gauges.get(RUNNING)
+            if h is None or r is None or len(s.kv_usage) != s.running_engines:
+                return None
+            held.append(h)
+            running.append(r)
+        times = [s.time_s for s in win]
+        tokens = _time_mean(times, [h.tokens for h in held])
+        mean = replace(held[-1], tokens=tokens)
+        return context_tokens(mean, _time_mean(times, running), self._cached_prompt_tokens(win))
+
+    @staticmethod
+    def _cached_prompt_tokens(win: list[Snapshot]) -> float | None:
+        """Prompt tokens per completed request served from the prefix cache; 0 without the
+        counter, None when it is garbage or grew with no request completed."""
+        if win[-1].prompt_cached is None:
+            return 0.0
+        if any(
+            s.prompt_cached is not None and not (math.isfinite(s.prompt_cached) and s.prompt_cached >= 0) for s in win
+        ):
+            return None
+        # The counter is kept out of Snapshot.counters (garbage in it must not hold the
+        # controller): a view of it alone gets the same reset-aware increase.
+        view = [
+            Snapshot(s.time_s, {} if s.prompt_cached is None else {PROMPT_CACHED: s.prompt_cached}, s.created)
+            for s in win
+        ]
+        cached, done = increase(view, PROMPT_CACHED), increase(win, SUCCESS)
+        if not cached:
+            return 0.0
+        return cached / done if done else None
+
     def _observation(self, now: float) -> ObserveResult:
         if len(self._history) < 2:
             return ObservationFailure(FailureReason.WARMING_UP, "need two scrapes for a rate")
@@ -396,9 +485,19 @@ class VllmMetricsSource:
                 mean_e2e_latency_s=self._ratio(now, aw, E2E + "_sum", E2E + "_count"),
                 sd_series_present=cur.sd_present,
                 sample_age_s=0.0,
+                running_context_tokens=self._running_context(now),
             )
         except ValueError as exc:  # NaN or inf in the payload
             return ObservationFailure(FailureReason.NAN, str(exc))
+
+
+def _time_mean(times: list[float], values: list[float]) -> float:
+    """Time-weighted mean of a gauge sampled at ``times`` (trapezoids between scrapes)."""
+    span = times[-1] - times[0]
+    if span <= 0:
+        return values[-1]
+    area = sum((b - a) * (u + v) / 2 for a, b, u, v in zip(times, times[1:], values, values[1:], strict=False))
+    return area / span
 
 
 class _HttpStatus(Exception):
