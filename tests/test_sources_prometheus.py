@@ -1,5 +1,6 @@
 """The Prometheus source against a REAL Prometheus scraping a vLLM-format server."""
 
+import contextlib
 import threading
 import time
 
@@ -67,6 +68,7 @@ def test_observes_rates_acceptance_and_reset(fake_vllm, prometheus_server):
         assert o.mean_gen_tokens == pytest.approx(100, rel=0.02)
         assert o.sd_series_present is True
         assert o.sample_age_s < 5
+        assert o.running_context_tokens is None  # no KV usage exported (old vLLM, the simulator)
         # A restart without SD: counters reset, SD series vanish; rates stay sane.
         fake_vllm.restart(sd_enabled=False)
         time.sleep(3)
@@ -100,3 +102,89 @@ def test_queries_are_rendered_and_overridable():
     with pytest.raises(ValueError, match="unknown query name"):
         render_queries("", 60, 300, 900, {"arival_rate": "1"})
     assert set(q) == set(DEFAULT_QUERIES)
+
+
+class KvServer:
+    """A vLLM-shaped /metrics with the KV context's series (which the fake vLLM lacks): 8
+    requests/s complete, each with 120 prompt tokens from the prefix cache when ``cached``;
+    per engine a constant running batch and KV usage, and ``vllm:cache_config_info`` with no
+    model_name label, as vLLM 0.32 writes it."""
+
+    def __init__(self, engines: dict[str, tuple[float, object, tuple[int, int] | None]], cached: bool = False):
+        from tests.support.stub_http import StubHttp
+
+        self.engines, self.cached, self.t0 = engines, cached, time.monotonic()
+        self.stub = StubHttp(self.respond)
+
+    def respond(self, method, path, body):
+        done = 8.0 * (time.monotonic() - self.t0)
+        lines = [
+            "# TYPE vllm:request_success_total counter",
+            f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="tiny"}} {done}',
+            "# TYPE vllm:num_requests_waiting gauge",
+            'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0',
+            "# TYPE vllm:num_requests_running gauge",
+            *(
+                f'vllm:num_requests_running{{engine="{e}",model_name="tiny"}} {r}'
+                for e, (r, _, _) in self.engines.items()
+            ),
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            *(
+                f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="tiny"}} {u}'
+                for e, (_, u, _) in self.engines.items()
+            ),
+            "# TYPE vllm:cache_config_info gauge",
+            *(
+                f'vllm:cache_config_info{{block_size="{c[1]}",engine="{e}",num_gpu_blocks="{c[0]}"}} 1.0'
+                for e, (_, _, c) in self.engines.items()
+                if c is not None
+            ),
+        ]
+        if self.cached:
+            lines += [
+                "# TYPE vllm:prompt_tokens_cached_total counter",
+                f'vllm:prompt_tokens_cached_total{{engine="0",model_name="tiny"}} {120 * done}',
+            ]
+        return 200, "text/plain; version=0.0.4", ("\n".join(lines) + "\n").encode()
+
+    @property
+    def target(self):
+        return self.stub.url.removeprefix("http://")
+
+    def __enter__(self):
+        self.stub.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.stub.__exit__(*exc)
+
+
+def test_running_context_per_engine_with_prefix_cache_hits(prometheus_server):
+    half_block = 0.5 * (128 - 1)
+    servers = {
+        "one": KvServer({"0": (8, 0.2, (8192, 128))}, cached=True),
+        # data parallel, unequal caches: Σ usage × capacity / Σ running, not a mean of usages
+        "two": KvServer({"0": (10, 0.5, (8192, 128)), "1": (2, 0.25, (4096, 128))}),
+        "garbage": KvServer({"0": (8, 1.7, (8192, 128))}),
+        "noconfig": KvServer({"0": (8, 0.2, None)}),
+        "missing_engine": KvServer({"0": (8, 0.2, (8192, 128)), "1": (8, 0.2, None)}),
+    }
+    with contextlib.ExitStack() as stack:
+        for s in servers.values():
+            stack.enter_context(s)
+        prom = prometheus_server({job: [s.target] for job, s in servers.items()})
+        prom.wait_for("count(rate(vllm:request_success_total[5s]) > 0) == 5", timeout_s=30)
+        time.sleep(6)  # a whole rate window of scrapes
+
+        def observe(job):
+            src = PrometheusSource(prom.url, f'job="{job}",model_name="tiny"', rate_window_s=5, long_window_s=20)
+            o = src.observe(time.time())
+            assert isinstance(o, Observation), (job, o)
+            assert 4 <= o.arrival_rate_rps <= 12, (job, o)
+            return o.running_context_tokens
+
+        assert observe("one") == pytest.approx(0.2 * 1_048_576 / 8 - half_block + 120, rel=1e-6)
+        assert observe("two") == pytest.approx((0.5 * 1_048_576 + 0.25 * 524_288) / 12 - half_block, rel=1e-6)
+        assert observe("garbage") is None
+        assert observe("noconfig") is None
+        assert observe("missing_engine") is None

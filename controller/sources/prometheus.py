@@ -11,6 +11,9 @@ arrival rate below what queue-draining estimates can produce (``deriv`` of the q
 under zero by at most 1.5 × max_num_seqs / window when the queue empties mid-window), or above
 ``max_rate_rps``; more running requests than ``max_num_seqs`` per engine; a ``position`` label
 that is not an integer.
+
+The running batch's KV context is optional: its queries failing, matching nothing, or answering
+nonsense (a usage outside [0, 1]) leave ``running_context_tokens`` None, never fail the tick.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from controller import deadline
 from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 from controller.sources.base import TRANSIENT_HTTP_ERRORS
+from controller.sources.kv_context import CacheCapacity, cache_capacity, context_tokens, held_tokens
 
 DEFAULT_QUERIES: dict[str, str] = {
     # Completions plus queue growth: during overload completions alone cap at capacity.
@@ -71,10 +75,18 @@ DEFAULT_QUERIES: dict[str, str] = {
     "waiting": "sum(vllm:num_requests_waiting{$SEL})",
     "sd_present": "count(vllm:spec_decode_num_drafts_total{$SEL})",
     "sample_age": "time() - max(timestamp(vllm:num_requests_running{$SEL}))",
+    # The running batch's KV context (sources/kv_context.py): per engine, over the rate window.
+    "kv_cache_usage": "avg_over_time(vllm:kv_cache_usage_perc{$SEL}[$W])",
+    "running_mean": "avg_over_time(vllm:num_requests_running{$SEL}[$W])",
+    # vllm:cache_config_info has no model_name label: its engines are those of the selected series.
+    "cache_config": "vllm:cache_config_info and on (job, instance, engine) vllm:num_requests_running{$SEL}",
+    "cached_prompt_tokens": (
+        "sum(increase(vllm:prompt_tokens_cached_total{$SEL}[$W])) / sum(increase(vllm:request_success_total{$SEL}[$W]))"
+    ),
 }
 
 
-OBSERVE_BUDGET_TIMEOUTS = 3  # one observe (about 13 queries) may take this many timeouts in all
+OBSERVE_BUDGET_TIMEOUTS = 3  # one observe (about 17 queries) may take this many timeouts in all
 
 
 def _duration(seconds: float) -> str:
@@ -240,6 +252,27 @@ class PrometheusSource:
         pairs.sort(key=lambda p: p[0])  # type: ignore[arg-type,return-value]
         return std_from_buckets([p[0] for p in pairs], [p[1] for p in pairs], mean)  # type: ignore[misc]
 
+    def _running_context(self, now: float) -> float | None:
+        """Σ usage × capacity / Σ running over the rate window, engines matched by their
+        (job, instance, engine) labels; None when anything is missing, unreadable or garbage."""
+        try:
+            usage = {_engine(labels): v for labels, v in self.query(self.queries["kv_cache_usage"], now)}
+            running_rows = self.query(self.queries["running_mean"], now)
+            capacity: dict[tuple[str, str, str], CacheCapacity] = {}
+            for labels, _ in self.query(self.queries["cache_config"], now):
+                cap = cache_capacity(labels)
+                if cap is not None:
+                    capacity[_engine(labels)] = cap
+            cached = self.query(self.queries["cached_prompt_tokens"], now)
+        except QueryFailed:
+            return None
+        if set(usage) != {_engine(labels) for labels, _ in running_rows}:
+            return None  # an engine runs sequences whose KV usage is not exported
+        running = sum(v for _, v in running_rows)
+        if not math.isfinite(running) or running < 0:
+            return None
+        return context_tokens(held_tokens(usage, capacity), running, _per_request(cached))
+
     def observe(self, now: float) -> ObserveResult:
         # One budget for all of this tick's queries: a slow Prometheus cannot stretch a tick.
         self._observe_deadline = time.monotonic() + OBSERVE_BUDGET_TIMEOUTS * self.timeout_s
@@ -280,9 +313,25 @@ class PrometheusSource:
                 mean_e2e_latency_s=self._scalar("mean_e2e_latency", now, required=False),
                 sd_series_present=sd_present,
                 sample_age_s=max(age, 0.0) if age is not None else None,
+                running_context_tokens=self._running_context(now),
             )
         except QueryFailed as exc:
             return ObservationFailure(exc.reason, exc.detail)
+
+
+def _engine(labels: dict[str, str]) -> tuple[str, str, str]:
+    return labels.get("job", ""), labels.get("instance", ""), labels.get("engine", "")
+
+
+def _per_request(rows: list[tuple[dict[str, str], float]]) -> float | None:
+    """Cached prompt tokens per completed request: 0 without the counter or with nothing
+    cached (0/0); None when the ratio is +Inf (cached tokens, no completion) or negative."""
+    if not rows:
+        return 0.0
+    value = sum(v for _, v in rows)
+    if math.isnan(value):
+        return 0.0
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 def _le(labels: dict[str, str]) -> float | None:
