@@ -197,6 +197,7 @@ def assess(
         _first(obs.mean_gen_tokens, state.last_gen_tokens, settings.default_gen_tokens),
         obs.gen_tokens_std,
         obs.prompt_tokens_std,
+        running_context_tokens=obs.running_context_tokens,
     )
     rate = obs.arrival_rate_rps
     if settings.price_switches:

@@ -524,3 +524,23 @@ def test_an_overload_the_controller_never_saw_arrive_is_no_excursion(seen):
         exact = dataclasses.replace(model, relative_sd_off=0.0)  # the same model, no interval
         central = assess(exact, S, state, obs, True, 4, T).excursion_filter_s
         assert a.excursion_filter_s > central > outage
+
+
+def test_a_measured_running_context_sets_the_decode_steps_context():
+    # vLLM's KV usage per running sequence replaces the lengths' formula: longer measured
+    # context, slower decode steps, higher predicted latency in both modes; the formula's own
+    # value gives the unmeasured prediction back.
+    def at(context):
+        obs = Observation(
+            T, 4.0, acceptance_rate=0.6, mean_draft_tokens=4.0, mean_prompt_tokens=900.0, mean_gen_tokens=280.0,
+            running_context_tokens=context,
+        )  # fmt: skip
+        return assess(MODEL, S.policy, ControllerState(), obs, True, 4, T)
+
+    unmeasured, short, long = at(None), at(300.0), at(4000.0)
+    assert long.workload.running_context_tokens == 4000.0 and unmeasured.workload.running_context_tokens is None
+    assert short.latency_off_s < unmeasured.latency_off_s < long.latency_off_s
+    assert short.latency_on_s < unmeasured.latency_on_s < long.latency_on_s
+    same = at(Workload(900.0, 280.0).mean_context_tokens)
+    assert same.latency_off_s == pytest.approx(unmeasured.latency_off_s)
+    assert same.latency_on_s == pytest.approx(unmeasured.latency_on_s)
