@@ -103,6 +103,7 @@ PREDICTION_GAUGES = (
     "sd_disable_ahead_saving_request_seconds",
     "sd_load_cycling",
     "sd_acceptance_trend_per_hour",
+    "sd_running_context_tokens",
 )
 
 
@@ -131,6 +132,10 @@ class Exporter:
         g.define("sd_enabled", "SD applied on the server (1) or not (0)")
         g.define("sd_desired_enabled", "SD state the controller wants")
         g.define("sd_effective_batch_size", "Predicted running batch (Little's law) in the applied state")
+        g.define(
+            "sd_running_context_tokens",
+            "KV tokens per running sequence measured from vLLM's KV usage (absent: from the lengths)",
+        )
         g.define("sd_arrival_rate_rps", "Observed arrival rate")
         g.define("sd_projected_arrival_rate_rps", "Rate the decision is evaluated at (trend)")
         g.define("sd_break_even_rate_rps", "Arrival rate where the predicted speedup is 1")
@@ -238,6 +243,10 @@ class Exporter:
         g("sd_draft_length", a.draft_length)
         g("sd_best_draft_length", a.best_draft_length)
         g("sd_effective_batch_size", a.batch(on))
+        if a.workload.running_context_tokens is not None:
+            g("sd_running_context_tokens", a.workload.running_context_tokens)
+        else:
+            self.gauges.clear("sd_running_context_tokens")
         g("sd_arrival_rate_rps", a.arrival_rate_rps)
         g("sd_projected_arrival_rate_rps", a.projected_rate_rps)
         if a.break_even_rate_rps is not None:

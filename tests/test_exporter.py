@@ -135,3 +135,22 @@ def test_prediction_gauges_go_absent_when_data_turns_bad():
     assert g("sd_enabled") == 1  # what is applied is still known
     ex.record(4.0, state, D, A, None, 2.1, ())
     assert g("sd_predicted_speedup") == 1.8
+
+
+def test_the_measured_running_context_is_shown_and_absent_when_not_measured():
+    from dataclasses import replace
+
+    reg = CollectorRegistry()
+    ex = Exporter(reg)
+    state = ControllerState(applied_enabled=True)
+    g = reg.get_sample_value
+    ex.record(1.0, state, D, A, None, None, ())  # Workload(512, 256): the lengths' formula
+    assert g("sd_running_context_tokens") is None
+    measured = replace(A, workload=Workload(512, 256, running_context_tokens=1430.0))
+    ex.record(2.0, state, D, measured, None, None, ())
+    assert g("sd_running_context_tokens") == 1430.0
+    ex.record(3.0, state, D, A, None, None, ())  # the server stopped exporting its KV usage
+    assert g("sd_running_context_tokens") is None
+    ex.record(4.0, state, D, measured, None, None, ())
+    ex.record(5.0, state, D, None, FailureReason.NAN, None, ())  # no assessment at all
+    assert g("sd_running_context_tokens") is None
