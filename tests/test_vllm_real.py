@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from controller.benchmark.http import HttpServer
+from controller.benchmark.loadtest import LoadPlan, lognormal_workload, run_load
 from tests.support.prometheus import free_port
 from tests.support.vllm_env import MODEL, NGRAM, VLLM_PYTHON, requires_vllm
 from tests.support.waiting import wait_until as _wait_until
@@ -160,6 +162,17 @@ def test_launcher_toggles_sd_on_real_vllm(tmp_path):
         assert SD_SERIES not in metrics()
         complete()
 
+        # The bench's load test against the real server: its batch gauges parse (a fraction
+        # of the cache, its block size from cache_config_info) and give a plausible running
+        # context: 200-token prompts growing by up to 64, in 128-token CPU blocks.
+        bench = HttpServer(vllm, "tiny", 60)
+        plan = LoadPlan(rates=(6.0,), duration_s=8.0, drain_s=60.0, workload="chat", seed=3)
+        (row,) = run_load(bench, lognormal_workload(200, 64, 0.0), plan)
+        assert bench.info().block_size, "vllm:cache_config_info has no block_size"
+        assert any(g.running > 0 and 0 < g.kv_usage <= 1 for g in bench.gauges()), bench.gauges()
+        assert row.running_context_tokens is not None, bench.gauges()
+        assert 0.5 * 200 < row.running_context_tokens < 1.5 * (200 + 64), row.running_context_tokens
+
         on_s = switch(True)
         assert SD_SERIES in metrics()
         complete()
@@ -169,7 +182,8 @@ def test_launcher_toggles_sd_on_real_vllm(tmp_path):
         assert len(final["restart_durations_s"]) == 2
         print(
             f"\nreal vLLM: first start {first_start_s:.1f} s; SD off restart {off_s:.1f} s; "
-            f"SD on restart {on_s:.1f} s; launcher-measured {final['restart_durations_s']}"
+            f"SD on restart {on_s:.1f} s; launcher-measured {final['restart_durations_s']}; "
+            f"load test: running context {row.running_context_tokens:.0f} tokens"
         )
         child_pid = final["child_pid"]
         launcher.send_signal(signal.SIGTERM)
