@@ -128,6 +128,11 @@ class PhaseSpec(_Strict):
 ZERO_PHASE = PhaseSpec(intercept_s=0.0, slope_s_per_token=0.0)
 
 
+class StairStep(_Strict):
+    batch_size: int = Field(ge=1, le=65536)
+    residual_s: float = Field(ge=-10, le=10, description="measured decode step minus the fitted pass")
+
+
 class Phases(_Strict):
     target: PhaseSpec = Field(description="one target forward pass: decode, verify or prompt-chunk tokens")
     draft: PhaseSpec = Field(default=ZERO_PHASE, description="one draft forward pass (zero: n-gram)")
@@ -135,6 +140,11 @@ class Phases(_Strict):
     draft_prefills: bool = Field(default=True, description="the draft model prefills every prompt")
     prefill: PhaseSpec | None = Field(default=None, description="schema 1 only: stand-alone prefill fit")
     verify: PhaseSpec | None = Field(default=None, description="schema 1 only: the whole SD step as one fit")
+    decode_staircase: list[StairStep] = Field(
+        default=[],
+        description="SD off: the decode steps' mean residual per benchmarked batch size (GEMM tiles and "
+        "CUDA-graph padding make the step a staircase the fitted line only averages)",
+    )
 
 
 class Serving(_Strict):
@@ -223,6 +233,7 @@ class CalibrationFile(_Strict):
             scale_on=self.load_correction.scale_on,
             relative_sd_off=self.uncertainty.relative_sd_off,
             relative_sd_on=self.uncertainty.relative_sd_on,
+            decode_staircase_off=tuple((float(x.batch_size), x.residual_s) for x in ph.decode_staircase),
         )
 
 
@@ -1031,8 +1042,31 @@ def fit_phases(
             max(draft.fit.relative_rmse if draft.fit else 0.0, target.fit.relative_rmse if target.fit else 0.0), 1.0
         ),
     )
-    phases = Phases(target=target, draft=draft, sd_overhead_s=overhead, draft_prefills=True)
+    staircase = decode_staircase(kept, target.step_cost(), budget, moe)
+    phases = Phases(
+        target=target, draft=draft, sd_overhead_s=overhead, draft_prefills=True, decode_staircase=staircase
+    )
     return phases, unc
+
+
+def decode_staircase(
+    rows: Sequence[BenchRow], target: StepCost, budget: int | None, moe: Moe | None
+) -> list[StairStep]:
+    """Each benchmarked batch size's mean residual of its SD-off decode steps (seconds).
+
+    The fitted pass is a line with knees through all sizes; GEMMs run in whole tiles (and vLLM
+    pads a decode batch to a captured CUDA-graph size), so the measured step is a staircase
+    around it, a few per cent above the line just past a tile boundary and below it at the
+    boundary. Near capacity that is a few per cent of throughput at the batch the server runs,
+    so the model's chain adds it back, interpolated between the sizes measured (the denser the
+    bench's batch grid, the better it places the steps).
+    """
+    decode, _prompt = _target_rows(rows)
+    by_batch: dict[int, list[float]] = defaultdict(list)
+    for r in decode:
+        passes = _in_moe_tokens(target_passes(r, budget), moe)
+        by_batch[r.batch_size].append(r.latency_s - sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in passes))
+    return [StairStep(batch_size=b, residual_s=float(np.mean(v))) for b, v in sorted(by_batch.items())]
 
 
 # --------------------------------------------------------------------------------------------

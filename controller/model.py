@@ -205,6 +205,9 @@ class LatencyModel:
     # Relative error of one step's cost (calibration residuals): the prediction interval.
     relative_sd_off: float = 0.0
     relative_sd_on: float = 0.0
+    # (batch size, seconds): the SD-off decode step's measured residual from ``target`` per
+    # benchmarked batch size (GEMM tiles: a staircase around the fitted line); () = none.
+    decode_staircase_off: tuple[tuple[float, float], ...] = ()
 
     def __hash__(self) -> int:
         # Curves are cached per model: hash the fields once, not on every lookup.
@@ -756,9 +759,11 @@ def mode_curve(
     q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
     segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
     sharing = _sharing_hinges(terms, nodes, bound) if p > 0 else None
-    chain, gained = _chain_rates(segments, waits, ends, bound, lines, sharing)
+    stair = _staircase(model.decode_staircase_off, steps, bound) if not sd and model.decode_staircase_off else None
+    chain, gained = _chain_rates(segments, waits, ends, bound, lines, sharing, stair, peak_b)
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
-    # found rises with the best state's (the chain's tail is served at the limit).
+    # found rises with the best state's (the chain's tail is served at the limit), and moves
+    # with the staircase's tread at the batch it runs.
     limit, thrash, fill = peak_h * gained, math.inf, math.nan
     reason = "throughput_peak" if peak_b < bound * (1.0 - 1e-9) else "kv_cache" if kv_bound else "max_num_seqs"
     if kv_bound and p > 0:
@@ -839,6 +844,14 @@ def _sharing_hinges(
     return np.array(at_list), np.array(cum_w), np.array(cum_wat)
 
 
+def _staircase(table: tuple[tuple[float, float], ...], steps: float, bound: float) -> np.ndarray:
+    """Seconds a request's decode steps (and the half step it waits) add at each state's batch,
+    the calibration's per-batch residuals interpolated between the sizes benchmarked."""
+    top = min(math.floor(bound), MAX_STATES)
+    batch, residual = zip(*table, strict=True)
+    return (steps + 0.5) * np.interp(_CHAIN_N[:top], batch, residual)
+
+
 def _chain_rates(
     segments,
     waits,
@@ -846,9 +859,17 @@ def _chain_rates(
     bound: float,
     lines,
     sharing: tuple[np.ndarray, ...] | None = None,
+    stair_s: np.ndarray | None = None,
+    peak_batch: float = math.inf,
 ) -> tuple[np.ndarray, float]:
     """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1);
-    and how much prompts sharing a step raise the best state's rate (1.0 without ``sharing``).
+    and how much prompts sharing a step and the staircase raise the best state's rate (1.0
+    without ``sharing`` and ``stair_s``).
+
+    ``stair_s`` (seconds per state) is the decode step's staircase around the fitted line. It
+    rides on the smooth chain's rates (their running best, as :func:`cumulative_log_rates`
+    keeps them) and is not smoothed away: a state on a dear tread finishes slower than the one
+    before it, as the server does, which runs every request it has.
 
     The prompts that arrive during a step are prefilled together in the next one. With J of
     them (Poisson, mean μ = λ·S, S = τ/(1 − λ·Δ) the mean step with its prompts) and a step's
@@ -881,7 +902,13 @@ def _chain_rates(
         t = 0.5 * (x + np.sqrt(x * x + b4r))
         gained = float((n / t).max() / plain)
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
-    return cumulative_log_rates(n / np.maximum(t, 1e-300)), gained
+    rates = n / np.maximum(t, 1e-300)
+    if stair_s is None:
+        return cumulative_log_rates(rates), gained
+    smooth = np.maximum.accumulate(rates)
+    stepped = n / (n / smooth + stair_s)
+    at = min(top, math.floor(peak_batch) + 1) - 1  # the state the limit is set at: n = B + 1
+    return cumulative_log_rates(stepped, monotone=False), gained * float(stepped[at] / smooth[at])
 
 
 # --------------------------------------------------------------------------------------------

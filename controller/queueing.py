@@ -29,19 +29,20 @@ _STATES = np.arange(0.0, MAX_STATES + 1.0)  # n = 0, 1, 2, …: sliced, never re
 _WEIGHTS = np.stack((np.ones_like(_STATES), _STATES))  # Σ p and Σ n·p in one product
 
 
-def cumulative_log_rates(departure_rps: np.ndarray) -> np.ndarray:
+def cumulative_log_rates(departure_rps: np.ndarray, monotone: bool = True) -> np.ndarray:
     """``C[n] = Σ_{k ≤ n} ln h(k)`` for n = 0..N from the departure rates h(1..N), N at most
     :data:`MAX_STATES` (a batch bound past it is only reached when thousands run at once).
 
     The rates are made non-decreasing: a server never finishes more slowly because more
     requests wait (it keeps running its best batch; past the throughput peak the extra ones
     queue). The queue past the last state is served at the stability limit, which
-    :func:`mean_in_system` takes as ``tail_rps``.
+    :func:`mean_in_system` takes as ``tail_rps``. ``monotone=False`` keeps them as given (a
+    staircase of step costs the caller put on rates it made non-decreasing itself).
     """
     raw = np.asarray(departure_rps, dtype=float)
     if raw.size == 0 or not (raw > 0.0).all():
         raise ValueError("departure rates must be positive")
-    h = np.maximum.accumulate(raw[:MAX_STATES])
+    h = np.maximum.accumulate(raw[:MAX_STATES]) if monotone else raw[:MAX_STATES]
     return np.concatenate(([0.0], np.cumsum(np.log(h))))
 
 
@@ -133,7 +134,7 @@ def mean_time_in_window(
     top = cum_log_rates.size - 1
     log_pi = _STATES[: top + 1] * math.log(rate_rps) - cum_log_rates
     floor = float(log_pi.max()) - WINDOW_LOG_MASS
-    h = np.exp(np.diff(cum_log_rates))  # h(1..top), already non-decreasing
+    h = np.exp(np.diff(cum_log_rates))  # h(1..top)
     tail = max(float(tail_rps), float(h[-1]))
     if log_pi[-1] < floor:
         weight = np.exp(log_pi - float(log_pi.max()))
@@ -154,7 +155,7 @@ def mean_time_in_window(
         rates = np.concatenate(([0.0], h, np.full(math.ceil(reach) + 16, tail)))
     n = _STATES[: rates.size] if rates.size <= _STATES.size else np.arange(rates.size, dtype=float)
     drain = np.concatenate(([0.0], np.cumsum(n[1:] / rates[1:])))  # W(n)
-    steps = math.ceil(duration_s * (rate_rps + float(rates[-1])))
+    steps = math.ceil(duration_s * (rate_rps + float(rates.max())))  # the fastest state sets the grid
     if steps > MAX_WINDOW_STEPS:  # hours at hundreds of req/s: seconds of stepping for a test
         return mean_time_in_system(rate_rps, cum_log_rates, tail_rps)  # that long is near stationary
     dt = duration_s / steps
