@@ -1,0 +1,93 @@
+"""The decode step's staircase: calibrate reads it off the bench, the chain runs on it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from controller.calibration import calibrate
+from controller.model import LatencyModel, StepCost, Workload, curves
+from controller.queueing import cumulative_log_rates, mean_time_in_system, mean_time_in_window
+from controller.synthetic import bench_rows
+
+LINE = LatencyModel(
+    target=StepCost(0.006, 4e-5, context_s_per_token=2e-8, seq_s=1e-6),
+    draft=StepCost(0.0008, 4e-6),
+    sd_overhead_s=0.0003,
+    max_num_batched_tokens=8192,
+)
+BATCHES = (1, 2, 4, *range(8, 257, 8))
+TILE = 64
+
+
+def tread(batch: int) -> float:
+    """+4 % of a step just past a 64-sequence tile boundary, falling to −4 % at the next."""
+    return 0.04 - 0.08 * (((batch - 1) % TILE) / (TILE - 1))
+
+
+def with_staircase(rows):
+    """The decode steps of the SD-off server on GEMM tiles: the step's cost moves with the tread."""
+    return [replace(r, latency_s=r.latency_s * (1.0 + tread(r.batch_size))) if r.phase == "target" else r for r in rows]
+
+
+def test_calibrate_reads_each_batch_sizes_residual_off_the_decode_rows():
+    rows = bench_rows(LINE, batch_sizes=BATCHES, noise=0.005, iterations=8, seed=2)
+    flat = calibrate(rows, max_num_batched_tokens=8192, warmup=3)
+    stepped = calibrate(with_staircase(rows), max_num_batched_tokens=8192, warmup=3)
+    assert [s.batch_size for s in stepped.phases.decode_staircase] == list(BATCHES)
+    cost = {b: LINE.target.scalar(b, b * 640.0, b) for b in BATCHES}  # the rows' mean context
+    # A line on a line: nothing left but noise.
+    assert max(abs(s.residual_s) / cost[s.batch_size] for s in flat.phases.decode_staircase) < 0.01
+    # On tiles each size's residual is its tread, less what the fitted line took of it (its
+    # knees bend through the first tile).
+    got = np.array([s.residual_s / cost[s.batch_size] for s in stepped.phases.decode_staircase if s.batch_size >= 8])
+    want = np.array([tread(b) for b in BATCHES if b >= 8])
+    assert np.corrcoef(got, want)[0, 1] > 0.9
+    past_first = np.array([b >= TILE for b in BATCHES if b >= 8])
+    assert np.abs(got - want)[past_first].max() < 0.015
+    model = stepped.latency_model()
+    assert model.decode_staircase_off == tuple(
+        (float(s.batch_size), s.residual_s) for s in stepped.phases.decode_staircase
+    )
+
+
+def test_a_zero_staircase_changes_nothing():
+    w = Workload(900.0, 280.0, 200.0, 500.0)
+    plain, _ = curves(LINE, 0.7, 2, w)
+    zero, _ = curves(replace(LINE, decode_staircase_off=((1.0, 0.0), (256.0, 0.0))), 0.7, 2, w)
+    np.testing.assert_allclose(zero.cum_log_rates, plain.cum_log_rates, rtol=0, atol=1e-12)
+    assert zero.stability_limit_rps == pytest.approx(plain.stability_limit_rps, rel=1e-12)
+    for rate in (2.0, 0.8 * plain.stability_limit_rps):
+        assert zero.latency_s(rate) == pytest.approx(plain.latency_s(rate), rel=1e-12)
+
+
+def test_a_dear_tread_slows_the_states_on_it_and_is_not_smoothed_away():
+    w = Workload(900.0, 280.0, 200.0, 500.0)
+    plain, _ = curves(LINE, 0.7, 2, w)
+    # The step costs 1 ms more from 130 to 190 sequences, as much less at 256 (a tile boundary).
+    table = ((1.0, 0.0), (129.0, 0.0), (130.0, 0.001), (190.0, 0.001), (191.0, 0.0), (250.0, 0.0), (256.0, -0.001))
+    stepped, _ = curves(replace(LINE, decode_staircase_off=table), 0.7, 2, w)
+    h, h0 = np.exp(np.diff(stepped.cum_log_rates)), np.exp(np.diff(plain.cum_log_rates))
+    n = np.arange(1, h.size + 1)
+    assert np.allclose(h[:128], h0[:128])
+    on_tread = (n >= 131) & (n <= 189)
+    assert (h[on_tread] < h0[on_tread]).all()
+    assert h[130] < h[127]  # a busier state finishes fewer per second: the server runs them all
+    # The limit is set at the bound, where the step is 1 ms cheaper: the limit rises with it.
+    assert stepped.stability_limit_rps / plain.stability_limit_rps == pytest.approx(h[-1] / h0[-1], rel=1e-9)
+    assert stepped.stability_limit_rps > plain.stability_limit_rps
+    # A load whose batch sits on the tread waits longer than on the smooth line.
+    busy = next(r for r in np.linspace(1.0, plain.stability_limit_rps, 200) if plain.batch(r) > 150)
+    assert stepped.latency_s(busy) > 1.01 * plain.latency_s(busy)
+
+
+def test_a_window_over_a_chain_that_dips_stays_a_probability():
+    # The fastest state is not the last: the uniformized grid must be set by the fastest.
+    rates = np.concatenate((np.linspace(1.0, 50.0, 100), np.full(100, 30.0)))
+    cum = cumulative_log_rates(rates, monotone=False)
+    got = mean_time_in_window(20.0, cum, 30.0, duration_s=2000.0, warmup_s=200.0)
+    assert np.isfinite(got)
+    assert got == pytest.approx(mean_time_in_system(20.0, cum, 30.0), rel=0.02)
+    assert (np.diff(cumulative_log_rates(rates)) >= np.diff(cum) - 1e-12).all()  # monotone keeps the best
