@@ -56,9 +56,9 @@ class ServerInfo:
 
     draft_length: int  # γ of its speculative config; 0 = SD off
     kv_cache_tokens: int | None = None  # vllm:cache_config_info num_gpu_blocks × block_size
-    block_size: int | None = None  # vllm:cache_config_info block_size: tokens per KV block
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    block_size: int | None = None  # vllm:cache_config_info block_size: tokens per KV block
 
 
 @dataclass(frozen=True)
