@@ -1043,9 +1043,7 @@ def fit_phases(
         ),
     )
     staircase = decode_staircase(kept, target.step_cost(), budget, moe)
-    phases = Phases(
-        target=target, draft=draft, sd_overhead_s=overhead, draft_prefills=True, decode_staircase=staircase
-    )
+    phases = Phases(target=target, draft=draft, sd_overhead_s=overhead, draft_prefills=True, decode_staircase=staircase)
     return phases, unc
 
 
