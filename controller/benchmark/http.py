@@ -26,14 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.benchmark.probe import (
-    GaugeSample,
-    ProbeError,
-    ProbeRequest,
-    ProbeResult,
-    ServerCounters,
-    ServerInfo,
-)
+from controller.benchmark.probe import GaugeSample, ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"

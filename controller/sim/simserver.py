@@ -12,14 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from controller.benchmark.probe import (
-    GaugeSample,
-    ProbeError,
-    ProbeRequest,
-    ProbeResult,
-    ServerCounters,
-    ServerInfo,
-)
+from controller.benchmark.probe import GaugeSample, ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
 from controller.sim.stepsim import ServerSpec, SimResult, simulate
 
 
