@@ -146,6 +146,13 @@ class Phases(_Strict):
         "CUDA-graph padding make the step a staircase the fitted line only averages)",
     )
 
+    @model_validator(mode="after")
+    def _staircase_ascends(self) -> Phases:
+        sizes = [s.batch_size for s in self.decode_staircase]
+        if any(b <= a for a, b in itertools.pairwise(sizes)):
+            raise ValueError("decode_staircase batch sizes must be strictly increasing")
+        return self
+
 
 class Serving(_Strict):
     max_num_seqs: int = Field(default=256, ge=1, le=65536, description="vLLM --max-num-seqs")

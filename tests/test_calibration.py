@@ -269,6 +269,16 @@ def test_schema_1_file_migrates(tmp_path):
         (lambda d: d["serving"].update(max_num_seqs=0), "serving.max_num_seqs"),
         (lambda d: d["phases"]["target"].update(slope_s_per_token="fast"), "phases.target.slope_s_per_token"),
         (lambda d: d.update(surprise=1), "surprise: Extra inputs are not permitted"),
+        (
+            lambda d: d["phases"].update(
+                decode_staircase=[{"batch_size": 64, "residual_s": 0.001}, {"batch_size": 8, "residual_s": 0.0}]
+            ),
+            "decode_staircase batch sizes must be strictly increasing",
+        ),
+        (
+            lambda d: d["phases"].update(decode_staircase=[{"batch_size": 0, "residual_s": 0.0}]),
+            "phases.decode_staircase.0.batch_size",
+        ),
     ],
 )
 def test_bad_calibration_file(tmp_path, mutate, expected):
