@@ -3,7 +3,7 @@
 The truth is the step-level vLLM simulation in controller/sim (stepsim.py, costs from the
 roofline in gpu.py: Llama-3.1-8B target, Llama-3.2-1B draft, H100, max_num_seqs 256, 8192-token
 step budget). The controller reaches it only as a user reaches a real server: micro-benchmarks
-(SD off; SD at γ = 2 and 4) → CSV → ``calibrate``; constant-rate load tests (chat, code, mixed,
+(SD off; SD at γ = 2 and 4; batch sizes every 8) → CSV → ``calibrate``; constant-rate load tests (chat, code, mixed,
 long prompts; 600 s per rate) → CSV → ``validate``. Prints per workload and mode the mean and
 worst error on the runs that were not saturated, whether every saturated run was predicted
 overloaded, stability limits and break-even rates; asserts nothing. About 15 minutes.
@@ -82,7 +82,11 @@ def main() -> None:
         load = fidelity.LoadSettings(duration_s=120.0, rates=(1, 4, 8, 12), workloads=("chat",))
     started = time.monotonic()
     run = fidelity.run(
-        truth=fidelity.TruthServer(gpu=gpu_spec), load=load, workdir=args.out, log=lambda m: print(f"  {m}", flush=True)
+        truth=fidelity.TruthServer(gpu=gpu_spec),
+        bench=fidelity.BenchSettings(batch_sizes=fidelity.EVERY_8),
+        load=load,
+        workdir=args.out,
+        log=lambda m: print(f"  {m}", flush=True),
     )
     print(f"done in {time.monotonic() - started:.0f} s; CSVs and calibration.json in {args.out}/")
     _summarize(run.reports, args.out)

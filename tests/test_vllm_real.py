@@ -164,14 +164,16 @@ def test_launcher_toggles_sd_on_real_vllm(tmp_path):
 
         # The bench's load test against the real server: its batch gauges parse (a fraction
         # of the cache, its block size from cache_config_info) and give a plausible running
-        # context: 200-token prompts growing by up to 64, in 128-token CPU blocks.
+        # context: 200-token prompts growing by up to 256, in 128-token CPU blocks. Long enough
+        # generations that a fast machine still runs several at once (a mean under one
+        # sequence measures nothing).
         bench = HttpServer(vllm, "tiny", 60)
-        plan = LoadPlan(rates=(6.0,), duration_s=8.0, drain_s=60.0, workload="chat", seed=3)
-        (row,) = run_load(bench, lognormal_workload(200, 64, 0.0), plan)
+        plan = LoadPlan(rates=(8.0,), duration_s=10.0, drain_s=60.0, workload="chat", seed=3)
+        (row,) = run_load(bench, lognormal_workload(200, 256, 0.0), plan)
         assert bench.info().block_size, "vllm:cache_config_info has no block_size"
         assert any(g.running > 0 and 0 < g.kv_usage <= 1 for g in bench.gauges()), bench.gauges()
         assert row.running_context_tokens is not None, bench.gauges()
-        assert 0.5 * 200 < row.running_context_tokens < 1.5 * (200 + 64), row.running_context_tokens
+        assert 0.5 * 200 < row.running_context_tokens < 1.5 * (200 + 256), row.running_context_tokens
 
         on_s = switch(True)
         assert SD_SERIES in metrics()

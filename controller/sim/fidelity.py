@@ -52,15 +52,20 @@ class TruthServer:
         )
 
 
+# Every 8 sequences (vLLM's CUDA-graph sizes are multiples of 8): places the treads of the
+# decode step's staircase, which the calibration keeps (calibration.decode_staircase).
+EVERY_8 = (1, 2, 4, *range(8, 257, 8))
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     """What the user measures: the micro-benchmark plan per server."""
 
     draft_lengths: tuple[int, ...] = (2, 4)
     # Not only powers of two: GEMMs run in whole tiles (and waves), so batches that fill them
-    # exactly are the cheapest; every 8 sequences lets the fit see the average cost and the
-    # calibration place the staircase's treads (calibration.decode_staircase).
-    batch_sizes: tuple[int, ...] = (1, 2, 4, *range(8, 257, 8))
+    # exactly are the cheapest; sizes in between let the fit see the average cost. The shipped
+    # calibrations were measured on these; bench_fidelity.py benches EVERY_8.
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 100, 128, 150, 176, 200, 232, 256)
     prompt_tokens: int = 512
     gen_tokens: int = 256
     context_prompt_tokens: tuple[int, ...] = (2048,)
