@@ -942,14 +942,20 @@ class _TargetError:
         return float(np.sqrt(self.rel_sq[lo:hi].mean())) if hi > lo else self.overall
 
 
+def _target_residual(row: BenchRow, target: StepCost, budget: int | None, moe: Moe | None) -> tuple[float, float]:
+    """(the row's largest pass in tokens, measured − fitted seconds) of an SD-off row."""
+    passes = _in_moe_tokens(target_passes(row, budget), moe)
+    pred = sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in passes)
+    return max(p[1] for p in passes), row.latency_s - pred
+
+
 def _target_error(rows: Sequence[BenchRow], target: StepCost, budget: int | None, moe: Moe | None) -> _TargetError:
     decode, prompt = _target_rows(rows)
     tokens, rel_sq = [], []
     for r in decode + prompt:
-        passes = _in_moe_tokens(target_passes(r, budget), moe)
-        pred = sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in passes)
-        tokens.append(max(p[1] for p in passes))
-        rel_sq.append(((r.latency_s - pred) / max(r.latency_s, 1e-12)) ** 2)
+        x, resid = _target_residual(r, target, budget, moe)
+        tokens.append(x)
+        rel_sq.append((resid / max(r.latency_s, 1e-12)) ** 2)
     order = np.argsort(tokens)
     t, e = np.asarray(tokens, dtype=float)[order], np.asarray(rel_sq, dtype=float)[order]
     return _TargetError(t, e, float(np.sqrt(e.mean())) if e.size else 0.0)
@@ -1069,8 +1075,7 @@ def decode_staircase(
     decode, _prompt = _target_rows(rows)
     by_batch: dict[int, list[float]] = defaultdict(list)
     for r in decode:
-        passes = _in_moe_tokens(target_passes(r, budget), moe)
-        by_batch[r.batch_size].append(r.latency_s - sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in passes))
+        by_batch[r.batch_size].append(_target_residual(r, target, budget, moe)[1])
     return [StairStep(batch_size=b, residual_s=float(np.mean(v))) for b, v in sorted(by_batch.items())]
 
 
