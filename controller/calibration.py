@@ -133,6 +133,11 @@ class StairStep(_Strict):
     residual_s: float = Field(ge=-10, le=10, description="measured decode step minus the fitted pass")
 
 
+class VerifyStairStep(_Strict):
+    step_tokens: int = Field(ge=1, le=16_777_216, description="target tokens in the SD step: batch × (γ + 1)")
+    residual_s: float = Field(ge=-10, le=10, description="measured SD step minus the fitted passes")
+
+
 class Phases(_Strict):
     target: PhaseSpec = Field(description="one target forward pass: decode, verify or prompt-chunk tokens")
     draft: PhaseSpec = Field(default=ZERO_PHASE, description="one draft forward pass (zero: n-gram)")
@@ -145,12 +150,20 @@ class Phases(_Strict):
         description="SD off: the decode steps' mean residual per benchmarked batch size (GEMM tiles and "
         "CUDA-graph padding make the step a staircase the fitted line only averages)",
     )
+    verify_staircase: list[VerifyStairStep] = Field(
+        default=[],
+        description="SD on: the SD steps' mean residual per benchmarked step size in target tokens, every "
+        "draft length's together (the target's tiles count tokens, not sequences)",
+    )
 
     @model_validator(mode="after")
     def _staircase_ascends(self) -> Phases:
         sizes = [s.batch_size for s in self.decode_staircase]
         if any(b <= a for a, b in itertools.pairwise(sizes)):
             raise ValueError("decode_staircase batch sizes must be strictly increasing")
+        tokens = [s.step_tokens for s in self.verify_staircase]
+        if any(b <= a for a, b in itertools.pairwise(tokens)):
+            raise ValueError("verify_staircase step tokens must be strictly increasing")
         return self
 
 
@@ -241,6 +254,7 @@ class CalibrationFile(_Strict):
             relative_sd_off=self.uncertainty.relative_sd_off,
             relative_sd_on=self.uncertainty.relative_sd_on,
             decode_staircase_off=tuple((float(x.batch_size), x.residual_s) for x in ph.decode_staircase),
+            verify_staircase_on=tuple((float(x.step_tokens), x.residual_s) for x in ph.verify_staircase),
         )
 
 
@@ -1056,7 +1070,15 @@ def fit_phases(
         ),
     )
     staircase = decode_staircase(kept, target.step_cost(), budget, moe)
-    phases = Phases(target=target, draft=draft, sd_overhead_s=overhead, draft_prefills=True, decode_staircase=staircase)
+    verify = verify_staircase(kept, target.step_cost(), draft.step_cost(), overhead, budget, moe)
+    phases = Phases(
+        target=target,
+        draft=draft,
+        sd_overhead_s=overhead,
+        draft_prefills=True,
+        decode_staircase=staircase,
+        verify_staircase=verify,
+    )
     return phases, unc
 
 
@@ -1077,6 +1099,34 @@ def decode_staircase(
     for r in decode:
         by_batch[r.batch_size].append(_target_residual(r, target, budget, moe)[1])
     return [StairStep(batch_size=b, residual_s=float(np.mean(v))) for b, v in sorted(by_batch.items())]
+
+
+def verify_staircase(
+    rows: Sequence[BenchRow],
+    target: StepCost,
+    draft: StepCost,
+    overhead_s: float,
+    budget: int | None,
+    moe: Moe | None,
+) -> list[VerifyStairStep]:
+    """Each benchmarked SD step size's mean residual of its verify steps (seconds), keyed by the
+    target tokens in the step, B·(γ + 1), every draft length's rows together.
+
+    The same tiles that make the decode step a staircase in its batch make the SD step one in
+    its tokens: a verify step's treads are (γ + 1)× narrower in the batch than a decode step's,
+    finer than a bench grid resolves one draft length at a time. Keyed by tokens, the draft
+    lengths' rows interleave (γ = 2 every 3·8 tokens, γ = 4 every 5·8) and place the risers
+    between them; a draft length never benchmarked reads the same table.
+    """
+    by_tokens: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        if r.phase != "verify" or r.draft_length <= 0:
+            continue
+        passes = [*_in_moe_tokens(target_passes(r, budget), moe)]
+        pred = sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in passes)
+        pred += sum(c * draft.scalar(x, z, q, a) for c, x, z, q, a in draft_passes(r, budget)) + overhead_s
+        by_tokens[r.batch_size * (r.draft_length + 1)].append(r.latency_s - pred)
+    return [VerifyStairStep(step_tokens=t, residual_s=float(np.mean(v))) for t, v in sorted(by_tokens.items())]
 
 
 # --------------------------------------------------------------------------------------------

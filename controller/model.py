@@ -208,6 +208,9 @@ class LatencyModel:
     # (batch size, seconds): the SD-off decode step's measured residual from ``target`` per
     # benchmarked batch size (GEMM tiles: a staircase around the fitted line); () = none.
     decode_staircase_off: tuple[tuple[float, float], ...] = ()
+    # (target tokens in the step, seconds): the SD step's measured residual from its fitted
+    # passes per benchmarked step size, B·(γ + 1), every draft length's together; () = none.
+    verify_staircase_on: tuple[tuple[float, float], ...] = ()
 
     def __hash__(self) -> int:
         # Curves are cached per model: hash the fields once, not on every lookup.
@@ -759,7 +762,8 @@ def mode_curve(
     q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
     segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
     sharing = _sharing_hinges(terms, nodes, bound) if p > 0 else None
-    stair = _staircase(model.decode_staircase_off, steps, bound) if not sd and model.decode_staircase_off else None
+    table = model.verify_staircase_on if sd else model.decode_staircase_off
+    stair = _staircase(table, steps, bound, k if sd else 1.0) if table else None
     chain, gained = _chain_rates(segments, waits, ends, bound, lines, sharing, stair, peak_b)
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
     # found rises with the best state's (the chain's tail is served at the limit), and moves
@@ -844,12 +848,17 @@ def _sharing_hinges(
     return np.array(at_list), np.array(cum_w), np.array(cum_wat)
 
 
-def _staircase(table: tuple[tuple[float, float], ...], steps: float, bound: float) -> np.ndarray:
+def _staircase(
+    table: tuple[tuple[float, float], ...], steps: float, bound: float, tokens_per_seq: float = 1.0
+) -> np.ndarray:
     """Seconds a request's decode steps (and the half step it waits) add at each state's batch,
-    the calibration's per-batch residuals interpolated between the sizes benchmarked."""
+    the calibration's residuals per step size (tokens: the batch × ``tokens_per_seq``)
+    interpolated between the sizes benchmarked. Past the largest size benchmarked (a batch the
+    bench never ran, a draft length longer than any it ran) nothing is known: nothing is added.
+    """
     top = min(math.floor(bound), MAX_STATES)
-    batch, residual = zip(*table, strict=True)
-    return (steps + 0.5) * np.interp(_CHAIN_N[:top], batch, residual)
+    tokens, residual = zip(*table, strict=True)
+    return (steps + 0.5) * np.interp(_CHAIN_N[:top] * tokens_per_seq, tokens, residual, right=0.0)
 
 
 def _chain_rates(

@@ -279,6 +279,16 @@ def test_schema_1_file_migrates(tmp_path):
             lambda d: d["phases"].update(decode_staircase=[{"batch_size": 0, "residual_s": 0.0}]),
             "phases.decode_staircase.0.batch_size",
         ),
+        (
+            lambda d: d["phases"].update(
+                verify_staircase=[{"step_tokens": 96, "residual_s": 0.001}, {"step_tokens": 96, "residual_s": 0.0}]
+            ),
+            "verify_staircase step tokens must be strictly increasing",
+        ),
+        (
+            lambda d: d["phases"].update(verify_staircase=[{"step_tokens": 24, "residual_s": 11.0}]),
+            "phases.verify_staircase.0.residual_s",
+        ),
     ],
 )
 def test_bad_calibration_file(tmp_path, mutate, expected):

@@ -105,12 +105,16 @@ def test_shipped_truth_calibration_is_what_bench_then_calibrate_produces(tmp_pat
     assert not shipped.example
     fresh, _ = decisions.calibrate(tmp_path, bench=BenchSettings())
     assert fresh.metadata.source_sha256 == shipped.metadata.source_sha256
-    # Calibrate now also keeps the decode staircase (stop 31); the shipped file predates it and
-    # is kept without one, so the stored decisions-bench results stay reproducible. Everything
-    # else is the same fit.
-    assert [s.batch_size for s in fresh.phases.decode_staircase] == list(BenchSettings().batch_sizes)
-    assert shipped.phases.decode_staircase == []
-    fresh = fresh.model_copy(update={"phases": fresh.phases.model_copy(update={"decode_staircase": []})})
+    # Calibrate now also keeps the decode staircase (stop 31) and the SD step's (stop 32); the
+    # shipped file predates them and is kept without, so the stored decisions-bench results stay
+    # reproducible. Everything else is the same fit.
+    sizes = BenchSettings().batch_sizes
+    assert [s.batch_size for s in fresh.phases.decode_staircase] == list(sizes)
+    verify_tokens = sorted({b * (g + 1) for b in sizes for g in BenchSettings().draft_lengths})
+    assert [s.step_tokens for s in fresh.phases.verify_staircase] == verify_tokens
+    assert shipped.phases.decode_staircase == [] and shipped.phases.verify_staircase == []
+    bare = {"decode_staircase": [], "verify_staircase": []}
+    fresh = fresh.model_copy(update={"phases": fresh.phases.model_copy(update=bare)})
     # The same fit to the last few ulps: the least-squares solves sum in BLAS's order, which
     # differs between machines and thread counts (CI saw 0.006406422892304603 vs ...458).
     fresh_leaves, shipped_leaves = _leaves(fresh.latency_model()), _leaves(shipped.latency_model())

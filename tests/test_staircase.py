@@ -91,3 +91,66 @@ def test_a_window_over_a_chain_that_dips_stays_a_probability():
     assert np.isfinite(got)
     assert got == pytest.approx(mean_time_in_system(20.0, cum, 30.0), rel=0.02)
     assert (np.diff(cumulative_log_rates(rates)) >= np.diff(cum) - 1e-12).all()  # monotone keeps the best
+
+
+TOKEN_TILE = 128
+
+
+def token_tread(tokens: int) -> float:
+    """+4 % of a step just past a 128-token tile boundary, falling to −4 % at the next."""
+    return 0.04 - 0.08 * (((tokens - 1) % TOKEN_TILE) / (TOKEN_TILE - 1))
+
+
+def test_calibrate_reads_the_sd_steps_residual_per_step_tokens_every_draft_length_together():
+    rows = bench_rows(LINE, batch_sizes=BATCHES, noise=0.005, iterations=8, seed=3)
+    # The target's tiles count tokens: a verify step of B sequences at γ runs B·(γ + 1).
+    stepped_rows = [
+        replace(r, latency_s=r.latency_s * (1.0 + token_tread(r.batch_size * (r.draft_length + 1))))
+        if r.phase == "verify"
+        else r
+        for r in rows
+    ]
+    flat = calibrate(rows, max_num_batched_tokens=8192, warmup=3)
+    stepped = calibrate(stepped_rows, max_num_batched_tokens=8192, warmup=3)
+    tokens = sorted({b * (g + 1) for b in BATCHES for g in (2, 4)})
+    assert [s.step_tokens for s in stepped.phases.verify_staircase] == tokens
+    assert [s.step_tokens for s in flat.phases.verify_staircase] == tokens
+
+    def cost(t: int) -> float:  # the mean verify step of that size over the draft lengths run it
+        steps = [
+            (r.latency_s / (1.0 + token_tread(t)), r)
+            for r in stepped_rows
+            if r.phase == "verify" and r.iteration >= 3 and r.batch_size * (r.draft_length + 1) == t
+        ]
+        return float(np.mean([s for s, _ in steps]))
+
+    assert max(abs(s.residual_s) / cost(s.step_tokens) for s in flat.phases.verify_staircase) < 0.01
+    got = np.array([s.residual_s / cost(s.step_tokens) for s in stepped.phases.verify_staircase])
+    want = np.array([token_tread(t) for t in tokens])
+    assert np.corrcoef(got, want)[0, 1] > 0.9
+    big = np.array(tokens) >= 2 * TOKEN_TILE
+    assert np.abs(got - want)[big].max() < 0.02
+    # The SD-off decode rows are untouched: their staircase stays flat.
+    assert max(abs(s.residual_s) for s in stepped.phases.decode_staircase) < 0.01 * LINE.target.scalar(256, 256 * 640)
+    model = stepped.latency_model()
+    assert model.verify_staircase_on == tuple(
+        (float(s.step_tokens), s.residual_s) for s in stepped.phases.verify_staircase
+    )
+
+
+def test_the_sd_chain_reads_the_staircase_at_its_step_tokens_and_adds_nothing_past_it():
+    w = Workload(900.0, 280.0, 200.0, 500.0)
+    # The SD step costs 1 ms more from 300 to 450 target tokens; the table ends at 600, dear.
+    table = ((3.0, 0.0), (299.0, 0.0), (300.0, 0.001), (450.0, 0.001), (451.0, 0.0), (599.0, 0.0), (600.0, 0.0005))
+    stepped = replace(LINE, verify_staircase_on=table)
+    for gamma in (2, 4):
+        off0, on0 = curves(LINE, 0.7, gamma, w)
+        off, on = curves(stepped, 0.7, gamma, w)
+        np.testing.assert_array_equal(off.cum_log_rates, off0.cum_log_rates)  # SD off reads its own
+        h, h0 = np.exp(np.diff(on.cum_log_rates)), np.exp(np.diff(on0.cum_log_rates))
+        tokens = np.arange(1, h.size + 1) * (gamma + 1)
+        on_tread = (tokens > 300) & (tokens < 450)
+        assert on_tread.any() and (h[on_tread] < h0[on_tread]).all()
+        assert np.allclose(h[tokens < 299], h0[tokens < 299])
+        assert (h[tokens == 600] < h0[tokens == 600]).all()
+        assert np.allclose(h[tokens > 600], h0[tokens > 600])  # past the table: nothing known
