@@ -24,6 +24,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "sd_enabled": ("gauge", (), "SD applied (0/1)"),
     "sd_desired_enabled": ("gauge", (), "SD desired by the policy (0/1)"),
     "sd_effective_batch_size": ("gauge", (), "B = lambda * T"),
+    "sd_running_context_tokens": ("gauge", (), "KV tokens the average running sequence reads"),
     "sd_arrival_rate_rps": ("gauge", (), "arrival rate"),
     "sd_break_even_rate_rps": ("gauge", (), "rate where SD on and off tie"),
     "sd_stability_limit_rps": ("gauge", ("mode",), "rate where the queue diverges"),
