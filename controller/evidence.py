@@ -69,6 +69,7 @@ class EvidenceRecord:
     excluded: str | None = None
     gen_tokens_std: float | None = None
     prompt_tokens_std: float | None = None
+    running_context_tokens: float | None = None  # measured KV context per running sequence (None: not measured)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_num(v) for k, v in dataclasses.asdict(self).items()}

@@ -200,6 +200,7 @@ class Learner:
             excluded=why_recorded,
             gen_tokens_std=a.workload.gen_tokens_std,
             prompt_tokens_std=a.workload.prompt_tokens_std,
+            running_context_tokens=a.workload.running_context_tokens,
         )
         self._persist(self.evidence.append, rec)
         if why is None and not self.settings.online_correction:

@@ -141,6 +141,7 @@ def from_steps(settings, model: LatencyModel, steps: Sequence) -> list[Point]:
             obs.mean_gen_tokens or settings.default_gen_tokens,
             obs.gen_tokens_std,
             obs.prompt_tokens_std,
+            running_context_tokens=obs.running_context_tokens,
         )
 
         def latency(m: LatencyModel, on=on, rate=rate, w=w, alpha=last_alpha, gamma=gamma) -> float:

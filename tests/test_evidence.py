@@ -1,5 +1,6 @@
 """The evidence store: a bounded JSON-lines history on a real file that survives restarts."""
 
+import dataclasses
 import json
 import math
 
@@ -90,3 +91,15 @@ def test_an_untrusted_file_is_set_aside_with_one_log_line(tmp_path, content):
     assert store.set_aside is not None and store.set_aside.exists() and not path.exists()
     store.append(rec(5.0))  # and the store goes on, fresh
     assert [r.time_s for r in FileEvidenceStore(path).load()] == [5.0]
+
+
+def test_the_measured_running_context_round_trips_and_older_records_load_without_it(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    store = FileEvidenceStore(path)
+    store.append(dataclasses.replace(rec(1.0), running_context_tokens=2100.5))
+    old = rec(2.0).to_dict()
+    del old["running_context_tokens"]  # written before the field existed
+    with open(path, "a") as fh:
+        fh.write(json.dumps(old) + "\n")
+    loaded = FileEvidenceStore(path).load()
+    assert [r.running_context_tokens for r in loaded] == [2100.5, None]

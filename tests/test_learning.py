@@ -1,5 +1,6 @@
 """The loop learning from observed latency: the real Controller on virtual time, real files."""
 
+import dataclasses
 import json
 import math
 
@@ -207,3 +208,19 @@ def test_a_busy_window_teaches_less(rate, limit, expected):
 )
 def test_steady_load(rate, long, peak, steady):
     assert steady_load(rate, long, peak, 60.0) is steady
+
+
+def test_the_evidence_records_the_running_context_the_prediction_used(tmp_path):
+    class MeasuredContext(TruthSource):
+        def observe(self, now):
+            return dataclasses.replace(super().observe(now), running_context_tokens=2400.0)
+
+    ctl, now = controller(SETTINGS, BASE, tmp_path)
+    ctl.source = MeasuredContext(BASE)
+    r = run(ctl, now, 1)[0]
+    assert r.learned.record.running_context_tokens == 2400.0
+    measured = curves(BASE, 0.75, 4, Workload(1000, 280, running_context_tokens=2400.0))[0].latency_s(RATES[0])
+    assert r.learned.record.calibrated_latency_s == pytest.approx(measured, rel=1e-9)
+    assert measured > 1.01 * curves(BASE, 0.75, 4, Workload(1000, 280))[0].latency_s(RATES[0])
+    stored = FileEvidenceStore(tmp_path / "sd-controller-evidence.jsonl").load()
+    assert stored[-1].running_context_tokens == 2400.0
