@@ -15,6 +15,7 @@ from controller.model import (
     StepCost,
     Workload,
     best_draft_length,
+    bunched_wait_excess,
     break_even_rates,
     curves,
     cycle_speedup,
@@ -131,14 +132,44 @@ def test_an_arrival_waits_for_the_step_in_flight_weighted_by_its_length():
     assert delta == pytest.approx(0.0001 * 2000)
     x = steps() * tau + (b + 1) * delta
     assert t == pytest.approx(x + lam * 0.5 * delta * (tau + delta), rel=1e-9)
-    assert off.wait_s(lam) == pytest.approx(0.5 * tau + lam * 0.5 * delta * (tau + delta))
-    assert off.wait_s(lam) > 0.5 * tau
+    # wait_s adds what the prompts' bunching adds (the next test): to first order in ρ the same.
+    rho = lam * delta
+    bunched = 0.5 * tau / (1.0 - rho) + 0.5 * lam * delta**2 / (1.0 - rho**2)
+    assert off.wait_s(lam) == pytest.approx(bunched)
+    assert 0.5 * tau < 0.5 * tau + lam * 0.5 * delta * (tau + delta) < off.wait_s(lam)
     # The same in the steps' own terms: the residual of a step sequence with these lengths.
     share_prompt = lam * delta  # of the time spent on prompt work
     steps_per_s = (1.0 - share_prompt) / tau
     mixed_per_s = lam
     e_s2 = (steps_per_s - mixed_per_s) * tau**2 + mixed_per_s * (tau + delta) ** 2  # Σ S² per second, Σ S = 1
     assert 0.5 * e_s2 == pytest.approx(0.5 * tau + lam * 0.5 * delta * (tau + delta))
+
+
+@pytest.mark.parametrize("rho", [0.05, 0.3, 0.6])
+def test_prompts_that_bunch_in_steps_lengthen_the_wait_for_the_step_in_flight(rho):
+    # Prompts arriving during a step are prefilled together in the next: S' = τ + Σ_J Δ with
+    # J ~ Poisson(λ·S). Simulate the steps (lognormal prompt costs) and weigh each by its length.
+    rng = np.random.default_rng(4)
+    tau, mean_delta, sigma = 0.05, 0.4, 0.4
+    lam = rho / mean_delta
+    deltas = mean_delta * rng.lognormal(-0.5 * sigma**2, sigma, 2_000_000)
+    q = float(np.mean(deltas**2) / np.mean(deltas) ** 2)
+    s, used, lengths = tau, 0, np.empty(200_000)
+    for i in range(lengths.size):
+        j = rng.poisson(lam * s)
+        s = tau + deltas[used : used + j].sum()
+        used += j
+        lengths[i] = s
+    lengths = lengths[1000:]
+    waited = float((lengths**2).sum() / (2.0 * lengths.sum()))
+    first_order = 0.5 * tau + 0.5 * lam * (tau * mean_delta + q * mean_delta**2)  # τ/2 + λ·R
+    model = first_order + bunched_wait_excess(lam, tau, mean_delta, q)
+    assert model == pytest.approx(waited, rel=0.03)
+    if rho >= 0.3:  # the first-order wait misses by ρ²-ish where prompts take a third of the time
+        assert first_order < (1.0 - 0.8 * rho**2) * waited
+    assert bunched_wait_excess(lam, tau, mean_delta, q) == pytest.approx(
+        rho**2 * (0.5 * tau / (1 - rho) + 0.5 * lam * q * mean_delta**2 / (1 - rho**2))
+    )
 
 
 def test_spread_prompts_wait_longer_for_the_step_in_flight():
@@ -599,7 +630,10 @@ def test_the_wait_weighs_each_prompt_length_by_its_whole_marginal_cost():
     lam = 2.0
     b = off.batch(lam)
     tau, delta = off.step(b), off.prompt(b)
-    assert off.wait_s(lam) == pytest.approx(0.5 * tau + lam * 0.5 * delta * (tau + q * delta), rel=1e-6)
+    first_order = 0.5 * tau + lam * 0.5 * delta * (tau + q * delta)
+    assert off.wait_s(lam) == pytest.approx(first_order + bunched_wait_excess(lam, tau, delta, q), rel=1e-6)
+    assert curves(m, 0.5, 1, Workload(2000, 100, 0.0, 1e-9))[0].prompt_q == pytest.approx(1.0)
+    assert off.prompt_q == pytest.approx(q)
 
 
 def _shared_prompt_cost(mu: float, first: float, second: float) -> float:
@@ -637,11 +671,15 @@ def test_prompts_that_share_a_step_cost_what_a_poisson_count_of_them_averages(de
             for _ in range(50):  # S depends on the shared cost: its own fixed point
                 shared = _shared_prompt_cost(lam * tau / (1.0 - lam * shared), first, second)
             t = 0.5 * ((x - (b + 1) * (delta - shared)) + math.sqrt((x - (b + 1) * (delta - shared)) ** 2 + 4 * b * r))
+        # and the wait the prompts' bunching adds (one prompt length: q = 1), at the state's λ.
+        t += bunched_wait_excess(b / t, tau, delta, 1.0)
         assert (b + 1) / h[b] == pytest.approx(t, rel=1e-4)
         if abs(first - second) > 1e-9:  # past the knee both cost the same: no gap
             assert (t < plain) == (delta_past_knee < 0)
     # The limit moves with the best state's rate; a drain at the full batch gains as much.
-    assert (off.sharing_gain > 1.0) == (delta_past_knee < 0)
+    bunching_only = curves(replace(m, target=StepCost(0.010, 0.001)), 0.5, 1, Workload(500, 100, 0.0, 0.0))[0]
+    assert bunching_only.sharing_gain < 1.0  # bunched prompts only ever cost
+    assert (off.sharing_gain > bunching_only.sharing_gain) == (delta_past_knee < 0)
     grid = np.linspace(1.0, bound, 4000)
     plain_peak = max(g / off.latency_at_batch(g) for g in grid)
     assert off.stability_limit_rps == pytest.approx(plain_peak * off.sharing_gain, rel=1e-3)
@@ -650,13 +688,18 @@ def test_prompts_that_share_a_step_cost_what_a_poisson_count_of_them_averages(de
 
 
 def test_prompts_share_nothing_where_every_token_costs_the_same():
-    # No knee: a second prompt costs what the first does; the chain is T(B) itself.
+    # No knee: a second prompt costs what the first does; the chain is T(B) itself, plus the wait
+    # the prompts' bunching adds at each state's own rate.
     m = LatencyModel(target=StepCost(0.010, 0.001), max_num_seqs=200)
     off, _ = curves(m, 0.5, 1, Workload(500, 100, 0.0, 300.0))
     h = np.exp(np.diff(off.cum_log_rates))
     n = np.arange(1.0, 201.0)
-    want = n / np.array([off.latency_at_batch(b) for b in n - 1.0])
-    assert off.sharing_gain == 1.0
+    t = np.array([off.latency_at_batch(b) for b in n - 1.0])
+    b = n - 1.0
+    t += bunched_wait_excess(b / t, np.array([off.step(x) for x in b]), np.array([off.prompt(x) for x in b]), off.prompt_q)
+    want = n / t
+    assert off.sharing_gain == pytest.approx(want.max() / (n / np.array([off.latency_at_batch(x) for x in b])).max())
+    assert off.sharing_gain < 1.0
     np.testing.assert_allclose(h, np.maximum.accumulate(want), rtol=1e-12)
 
 

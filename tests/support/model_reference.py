@@ -8,8 +8,10 @@ was *before* the curve build was rewritten for speed (commit 9e34608 on main):
 Rewrite it only for a deliberate change of the model's results (and say so in the commit). The
 truth calibration's three cases were last rewritten when that file was re-measured (stop 29: the
 draft fitted with each row weighted by the target's error on it; the model did not change, the
-other 36 cases are as they were). The model's results were last rewritten when prompts arriving
-during one step came to share the next (the chain's states price each prompt at the Poisson
+other 36 cases are as they were). The model's results were last rewritten when the wait for the
+step in flight came to count prompts bunching in steps (stop 32: a step's prompts are the
+arrivals of the step before, so long steps breed long steps; ``model.bunched_wait_excess``);
+before that, when prompts arriving during one step came to share the next (the chain's states price each prompt at the Poisson
 mean of a shared step's cost; the limit and the drain rise with them); before that, when an arrival's wait for the step in flight became length-weighted
 (E[S²]/2E[S]: a step that carries a prompt is Δ longer), and when the mean latency became the
 batch's birth–death chain (controller/queueing.py). The
