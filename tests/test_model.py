@@ -15,8 +15,8 @@ from controller.model import (
     StepCost,
     Workload,
     best_draft_length,
-    bunched_wait_excess,
     break_even_rates,
+    bunched_wait_excess,
     curves,
     cycle_speedup,
     predict,
@@ -696,7 +696,9 @@ def test_prompts_share_nothing_where_every_token_costs_the_same():
     n = np.arange(1.0, 201.0)
     t = np.array([off.latency_at_batch(b) for b in n - 1.0])
     b = n - 1.0
-    t += bunched_wait_excess(b / t, np.array([off.step(x) for x in b]), np.array([off.prompt(x) for x in b]), off.prompt_q)
+    t += bunched_wait_excess(
+        b / t, np.array([off.step(x) for x in b]), np.array([off.prompt(x) for x in b]), off.prompt_q
+    )
     want = n / t
     assert off.sharing_gain == pytest.approx(want.max() / (n / np.array([off.latency_at_batch(x) for x in b])).max())
     assert off.sharing_gain < 1.0
