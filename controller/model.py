@@ -890,7 +890,8 @@ def bunched_wait_excess(lam, tau, delta, q: float):
     Scalars or arrays.
     """
     rho = np.minimum(lam * delta, MAX_PROMPT_SHARE)
-    return rho * rho * (0.5 * tau / (1.0 - rho) + 0.5 * lam * q * delta * delta / (1.0 - rho * rho))
+    # = ρ²·(τ + q·ρ·E[Δ]/(1 + ρ))/(2·(1 − ρ)), with λ·E[Δ]² = ρ·E[Δ]: fewer passes over the states.
+    return rho * rho * (tau + q * rho * delta / (1.0 + rho)) / (2.0 - 2.0 * rho)
 
 
 def _chain_rates(
