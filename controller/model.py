@@ -936,21 +936,21 @@ def _chain_rates(
     b4r = _OTHERS_4[:top] * np.maximum(r0 + b * (r1 + b * r2), 0.0)
     t = 0.5 * (x + np.sqrt(x * x + b4r))  # _with_wait, one row per state
     gained = 1.0
-    if sharing is not None:
-        at, cum_w, cum_wat = sharing
-        i = np.searchsorted(at, b)
-        lam = b / t
-        lam[0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
-        # The step with its prompts; past a full step of prompts the budget limit holds.
-        mu = lam * (s0 + s1 * b) / np.maximum(1.0 - lam * (d0 + d1 * b), 0.05)
-        x -= (b * cum_w[i] - cum_wat[i]) * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
+    if sharing is not None or prompt_q is not None:
         plain = (n / t).max()
-        t = 0.5 * (x + np.sqrt(x * x + b4r))
+        tau, delta = s0 + s1 * b, d0 + d1 * b
+        if sharing is not None:
+            at, cum_w, cum_wat = sharing
+            i = np.searchsorted(at, b)
+            lam = b / t
+            lam[0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
+            # The step with its prompts; past a full step of prompts the budget limit holds.
+            mu = lam * tau / np.maximum(1.0 - lam * delta, 0.05)
+            x -= (b * cum_w[i] - cum_wat[i]) * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
+            t = 0.5 * (x + np.sqrt(x * x + b4r))
+        if prompt_q is not None:
+            t += bunched_wait_excess(b / t, tau, delta, prompt_q)
         gained = float((n / t).max() / plain)
-    if prompt_q is not None:
-        plain = (n / t).max()
-        t = t + bunched_wait_excess(b / t, s0 + s1 * b, d0 + d1 * b, prompt_q)
-        gained *= float((n / t).max() / plain)
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
     rates = n / np.maximum(t, 1e-300)
     if stair_s is None:
