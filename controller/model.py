@@ -937,6 +937,7 @@ def _chain_rates(
     t = 0.5 * (x + np.sqrt(x * x + b4r))  # _with_wait, one row per state
     gained = 1.0
     if sharing is not None or prompt_q is not None:
+        t = np.maximum(t, 1e-300)  # a zero-cost pass (refused by its loader): no 0/0 below
         plain = (n / t).max()
         tau, delta = s0 + s1 * b, d0 + d1 * b
         if sharing is not None:

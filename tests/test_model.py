@@ -759,3 +759,12 @@ def test_many_points_in_one_pass_are_the_single_points():
         one = predict_point(m, r, 0.7, 4, W)
         for field in ("latency_off_s", "latency_on_s", "stability_limit_off_rps", "stability_limit_on_rps", "speedup"):
             assert getattr(p, field) == pytest.approx(getattr(one, field), rel=1e-9), (r, field)
+
+
+def test_a_pass_that_costs_nothing_serves_any_rate_without_a_warning(recwarn):
+    # Refused by the calibration loader, but a library user can build it: the chain's per-state
+    # terms (the prompts' bunched wait) must not divide zero by zero.
+    off, on = curves(LatencyModel(target=StepCost(0.0, 0.0)), 0.5, 2, Workload(500, 100))
+    assert math.isinf(off.stability_limit_rps) and math.isinf(on.stability_limit_rps)
+    assert 0.0 <= off.latency_s(1.0) < 1e-200
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
