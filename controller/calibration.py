@@ -957,7 +957,7 @@ class _TargetError:
 
 
 def _target_residual(row: BenchRow, target: StepCost, budget: int | None, moe: Moe | None) -> tuple[float, float]:
-    """(the row's largest pass in tokens, measured − fitted seconds) of an SD-off row."""
+    """(the row's largest target pass in tokens, measured − the fitted target passes' seconds)."""
     passes = _in_moe_tokens(target_passes(row, budget), moe)
     pred = sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in passes)
     return max(p[1] for p in passes), row.latency_s - pred
@@ -1122,10 +1122,8 @@ def verify_staircase(
     for r in rows:
         if r.phase != "verify" or r.draft_length <= 0:
             continue
-        passes = [*_in_moe_tokens(target_passes(r, budget), moe)]
-        pred = sum(c * target.scalar(x, z, q, a) for c, x, z, q, a in passes)
-        pred += sum(c * draft.scalar(x, z, q, a) for c, x, z, q, a in draft_passes(r, budget)) + overhead_s
-        by_tokens[r.batch_size * (r.draft_length + 1)].append(r.latency_s - pred)
+        drafted = sum(c * draft.scalar(x, z, q, a) for c, x, z, q, a in draft_passes(r, budget)) + overhead_s
+        by_tokens[r.batch_size * (r.draft_length + 1)].append(_target_residual(r, target, budget, moe)[1] - drafted)
     return [VerifyStairStep(step_tokens=t, residual_s=float(np.mean(v))) for t, v in sorted(by_tokens.items())]
 
 

@@ -769,7 +769,7 @@ def mode_curve(
     segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
     sharing = _sharing_hinges(terms, nodes, bound) if p > 0 else None
     table = model.verify_staircase_on if sd else model.decode_staircase_off
-    stair = _staircase(table, steps, bound, k if sd else 1.0) if table else None
+    stair = _staircase(table, steps, bound, k) if table else None  # k = 1 token a sequence without SD
     chain, gained = _chain_rates(segments, waits, ends, bound, lines, sharing, stair, peak_b, q if p > 0 else None)
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
     # found rises with the best state's (the chain's tail is served at the limit), and moves
@@ -854,9 +854,7 @@ def _sharing_hinges(
     return np.array(at_list), np.array(cum_w), np.array(cum_wat)
 
 
-def _staircase(
-    table: tuple[tuple[float, float], ...], steps: float, bound: float, tokens_per_seq: float = 1.0
-) -> np.ndarray:
+def _staircase(table: tuple[tuple[float, float], ...], steps: float, bound: float, tokens_per_seq: float) -> np.ndarray:
     """Seconds a request's decode steps (and the half step it waits) add at each state's batch,
     the calibration's residuals per step size (tokens: the batch × ``tokens_per_seq``)
     interpolated between the sizes benchmarked. Past the largest size benchmarked (a batch the

@@ -22,9 +22,9 @@ BATCHES = (1, 2, 4, *range(8, 257, 8))
 TILE = 64
 
 
-def tread(batch: int) -> float:
-    """+4 % of a step just past a 64-sequence tile boundary, falling to −4 % at the next."""
-    return 0.04 - 0.08 * (((batch - 1) % TILE) / (TILE - 1))
+def tread(size: int, tile: int = TILE) -> float:
+    """+4 % of a step just past a tile boundary (64 sequences unless told), falling to −4 % at the next."""
+    return 0.04 - 0.08 * (((size - 1) % tile) / (tile - 1))
 
 
 def with_staircase(rows):
@@ -97,8 +97,8 @@ TOKEN_TILE = 128
 
 
 def token_tread(tokens: int) -> float:
-    """+4 % of a step just past a 128-token tile boundary, falling to −4 % at the next."""
-    return 0.04 - 0.08 * (((tokens - 1) % TOKEN_TILE) / (TOKEN_TILE - 1))
+    """The SD step's tread: 128-token tiles."""
+    return tread(tokens, TOKEN_TILE)
 
 
 def test_calibrate_reads_the_sd_steps_residual_per_step_tokens_every_draft_length_together():
