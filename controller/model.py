@@ -925,22 +925,24 @@ def _chain_rates(
     """
     top = min(math.floor(bound), MAX_STATES)
     n, b = _CHAIN_N[:top], _OTHERS[:top]
-    seg = np.searchsorted(ends, b)
-    # Each state's segment: its (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1), one row per state.
-    c0, c1, c2, r0, r1, r2, s0, s1, d0, d1 = np.array(
-        [s[2:] + w + ln for s, w, ln in zip(segments, waits, lines, strict=True)]
-    ).T[:, seg]
+    # Each state's segment: its (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1), one row per state; one
+    # segment (no hinge below the bound) broadcasts its scalars.
+    table = np.array([s[2:] + w + ln for s, w, ln in zip(segments, waits, lines, strict=True)])
+    cols = table[0] if len(table) == 1 else table[np.asarray(ends).searchsorted(b)].T
+    c0, c1, c2, r0, r1, r2, s0, s1, d0, d1 = cols
     x = c0 + b * (c1 + b * c2)
-    b4r = _OTHERS_4[:top] * np.maximum(r0 + b * (r1 + b * r2), 0.0)
+    b4r = r0 + b * (r1 + b * r2)
+    np.maximum(b4r, 0.0, out=b4r)
+    b4r *= _OTHERS_4[:top]
     t = 0.5 * (x + np.sqrt(x * x + b4r))  # _with_wait, one row per state
     gained = 1.0
     if sharing is not None or prompt_q is not None:
-        t = np.maximum(t, 1e-300)  # a zero-cost pass (refused by its loader): no 0/0 below
+        np.maximum(t, 1e-300, out=t)  # a zero-cost pass (refused by its loader): no 0/0 below
         plain = (n / t).max()
         tau, delta = s0 + s1 * b, d0 + d1 * b
         if sharing is not None:
             at, cum_w, cum_wat = sharing
-            i = np.searchsorted(at, b)
+            i = at.searchsorted(b)
             lam = b / t
             lam[0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
             # The step with its prompts; past a full step of prompts the budget limit holds.

@@ -40,10 +40,13 @@ def cumulative_log_rates(departure_rps: np.ndarray, monotone: bool = True) -> np
     staircase of step costs the caller put on rates it made non-decreasing itself).
     """
     raw = np.asarray(departure_rps, dtype=float)
-    if raw.size == 0 or not (raw > 0.0).all():
+    if raw.size == 0 or not raw.min() > 0.0:  # NaN fails it too
         raise ValueError("departure rates must be positive")
     h = np.maximum.accumulate(raw[:MAX_STATES]) if monotone else raw[:MAX_STATES]
-    return np.concatenate(([0.0], np.cumsum(np.log(h))))
+    out = np.empty(h.size + 1)  # C[0] = 0, then the running sum in place: one array, not three
+    out[0] = 0.0
+    np.cumsum(np.log(h, out=out[1:]), out=out[1:])
+    return out
 
 
 def mean_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) -> float:
