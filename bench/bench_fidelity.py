@@ -10,6 +10,7 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
 
     python bench/bench_fidelity.py [--quick] [--out DIR] [--truth h100|a100-coarse] [--rates 1,2,4]
     python bench/bench_fidelity.py --revalidate bench/results/fidelity-h100   # same runs, this code's model
+    python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
 
 ``--truth a100-coarse`` is a second truth held out from the model's development (gpu.py's
 A100_COARSE: another GPU, 128-token GEMM tiles, a slower host); its load tests default to the
@@ -52,6 +53,12 @@ def main() -> None:
     ap.add_argument("--workloads", default=None, help="comma-separated (default: chat,code,mixed,long_prompt)")
     ap.add_argument("--rates", default=None, help="load-test rates, req/s, comma-separated (default: the truth's)")
     ap.add_argument(
+        "--draft-lengths",
+        default=None,
+        help="load-test draft lengths, 0 = SD off, comma-separated (default: 0,2,4); the bench always runs 0, 2 and 4,"
+        " so others ask how the calibration carries to a draft length it never measured",
+    )
+    ap.add_argument(
         "--revalidate",
         type=Path,
         default=None,
@@ -78,6 +85,14 @@ def main() -> None:
     load = fidelity.LoadSettings(duration_s=args.duration, rates=rates, seed=args.seed)
     if args.workloads:
         load = dataclasses.replace(load, workloads=tuple(args.workloads.split(",")))
+    if args.draft_lengths:
+        try:
+            gammas = tuple(int(g) for g in args.draft_lengths.split(","))
+        except ValueError:
+            ap.error(f"--draft-lengths: not a comma-separated list of integers: {args.draft_lengths!r}")
+        if any(g < 0 for g in gammas):
+            ap.error(f"--draft-lengths: a draft length is 0 (SD off) or more: {args.draft_lengths!r}")
+        load = dataclasses.replace(load, draft_lengths=gammas)
     if args.quick:
         load = fidelity.LoadSettings(duration_s=120.0, rates=(1, 4, 8, 12), workloads=("chat",))
     started = time.monotonic()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from controller.calibration import calibrate
-from controller.model import LatencyModel, StepCost, Workload, curves
+from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, StepCost, Workload, curves
 from controller.queueing import cumulative_log_rates, mean_time_in_system, mean_time_in_window
 from controller.synthetic import bench_rows
 
@@ -66,21 +66,48 @@ def test_a_zero_staircase_changes_nothing():
 def test_a_dear_tread_slows_the_states_on_it_and_is_not_smoothed_away():
     w = Workload(900.0, 280.0, 200.0, 500.0)
     plain, _ = curves(LINE, 0.7, 2, w)
-    # The step costs 1 ms more from 130 to 190 sequences, as much less at 256 (a tile boundary).
-    table = ((1.0, 0.0), (129.0, 0.0), (130.0, 0.001), (190.0, 0.001), (191.0, 0.0), (250.0, 0.0), (256.0, -0.001))
+    # Benched every 8: the step costs 1 ms more from 136 to 184 sequences, as much less at 256
+    # (a tile boundary).
+    table = sampled(lambda b: 0.001 if 136 <= b <= 184 else -0.001 if b == 256 else 0.0, (1, *range(8, 257, 8)))
     stepped, _ = curves(replace(LINE, decode_staircase_off=table), 0.7, 2, w)
     h, h0 = np.exp(np.diff(stepped.cum_log_rates)), np.exp(np.diff(plain.cum_log_rates))
     n = np.arange(1, h.size + 1)
     assert np.allclose(h[:128], h0[:128])
-    on_tread = (n >= 131) & (n <= 189)
+    on_tread = (n >= 136) & (n <= 184)
     assert (h[on_tread] < h0[on_tread]).all()
-    assert h[130] < h[127]  # a busier state finishes fewer per second: the server runs them all
+    assert h[135] < h[127]  # a busier state finishes fewer per second: the server runs them all
     # The limit is set at the bound, where the step is 1 ms cheaper: the limit rises with it.
     assert stepped.stability_limit_rps / plain.stability_limit_rps == pytest.approx(h[-1] / h0[-1], rel=1e-9)
     assert stepped.stability_limit_rps > plain.stability_limit_rps
     # A load whose batch sits on the tread waits longer than on the smooth line.
     busy = next(r for r in np.linspace(1.0, plain.stability_limit_rps, 200) if plain.batch(r) > 150)
     assert stepped.latency_s(busy) > 1.01 * plain.latency_s(busy)
+
+
+def sampled(residual, sizes) -> tuple[tuple[float, float], ...]:
+    """A staircase table as calibrate writes it: the residual at each size benchmarked."""
+    return tuple((float(x), residual(x)) for x in sizes)
+
+
+def test_sizes_too_far_apart_to_place_a_riser_add_nothing_between_them():
+    # Two dear sizes 64 tokens apart (a tile at most): whatever lies between was never seen, and
+    # a slope drawn through it aliases the risers. The residuals hold at the sizes measured.
+    w = Workload(900.0, 280.0, 200.0, 500.0)
+    far = sampled(lambda b: 0.001 if b in (128, 192) else 0.0, (1, 8, 16, 32, 64, 128, 192, 256))
+    near = sampled(lambda b: 0.001 if 128 <= b <= 192 else 0.0, (1, *range(8, 257, 8)))
+    plain, _ = curves(LINE, 0.7, 2, w)
+    h0 = np.exp(np.diff(plain.cum_log_rates))
+    n = np.arange(1, h0.size + 1)
+    for table, between_dear in ((far, False), (near, True)):
+        curve, _ = curves(replace(LINE, decode_staircase_off=table), 0.7, 2, w)
+        h = np.exp(np.diff(curve.cum_log_rates))
+        inside = (n > 128) & (n < 192)
+        assert (h[n == 128] < h0[n == 128]).all() and (h[n == 192] < h0[n == 192]).all()
+        if between_dear:
+            assert (h[inside] < h0[inside]).all()
+        else:
+            np.testing.assert_allclose(h[inside], h0[inside], rtol=1e-12)
+    assert STAIR_MAX_GAP_TOKENS < 64  # half a tile of the smallest GEMM tiles vLLM runs
 
 
 def test_a_window_over_a_chain_that_dips_stays_a_probability():
@@ -140,8 +167,9 @@ def test_calibrate_reads_the_sd_steps_residual_per_step_tokens_every_draft_lengt
 
 def test_the_sd_chain_reads_the_staircase_at_its_step_tokens_and_adds_nothing_past_it():
     w = Workload(900.0, 280.0, 200.0, 500.0)
-    # The SD step costs 1 ms more from 300 to 450 target tokens; the table ends at 600, dear.
-    table = ((3.0, 0.0), (299.0, 0.0), (300.0, 0.001), (450.0, 0.001), (451.0, 0.0), (599.0, 0.0), (600.0, 0.0005))
+    # Benched every 24 tokens: the SD step costs 1 ms more from 312 to 432 target tokens; the
+    # table ends at 600, dear.
+    table = sampled(lambda t: 0.001 if 312 <= t <= 432 else 0.0005 if t == 600 else 0.0, (3, *range(24, 601, 24)))
     stepped = replace(LINE, verify_staircase_on=table)
     for gamma in (2, 4):
         off0, on0 = curves(LINE, 0.7, gamma, w)
@@ -149,8 +177,8 @@ def test_the_sd_chain_reads_the_staircase_at_its_step_tokens_and_adds_nothing_pa
         np.testing.assert_array_equal(off.cum_log_rates, off0.cum_log_rates)  # SD off reads its own
         h, h0 = np.exp(np.diff(on.cum_log_rates)), np.exp(np.diff(on0.cum_log_rates))
         tokens = np.arange(1, h.size + 1) * (gamma + 1)
-        on_tread = (tokens > 300) & (tokens < 450)
+        on_tread = (tokens >= 312) & (tokens <= 432)
         assert on_tread.any() and (h[on_tread] < h0[on_tread]).all()
-        assert np.allclose(h[tokens < 299], h0[tokens < 299])
+        assert np.allclose(h[tokens <= 288], h0[tokens <= 288])
         assert (h[tokens == 600] < h0[tokens == 600]).all()
         assert np.allclose(h[tokens > 600], h0[tokens > 600])  # past the table: nothing known
