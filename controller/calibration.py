@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
-from controller.model import LatencyModel, Moe, StepCost, Workload
+from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload
 
 SCHEMA_VERSION = 2
 BENCH_COLUMNS = ("phase", "batch_size", "tokens_per_seq", "context_len", "iteration", "latency_s")
@@ -1060,8 +1060,9 @@ def fit_phases(
     kept, dropped = drop_over_kv(drop_warmup(rows, warmup, where))
     target = fit_target(kept, budget, moe, where)
     if dropped:
-        note = f"{dropped} row(s) dropped: their batch's KV context exceeds the server's KV cache (vLLM preempts)"
-        target = target.model_copy(update={"fit": target.fit.model_copy(update={"notes": [*target.fit.notes, note]})})
+        target = _noted(
+            target, f"{dropped} row(s) dropped: their batch's KV context exceeds the server's KV cache (vLLM preempts)"
+        )
     draft, overhead, _draft_prefill = fit_draft(kept, target.step_cost(), budget, where, moe)
     unc = Uncertainty(
         relative_sd_off=min(target.fit.relative_rmse if target.fit else 0.0, 1.0),
@@ -1071,6 +1072,8 @@ def fit_phases(
     )
     staircase = decode_staircase(kept, target.step_cost(), budget, moe)
     verify = verify_staircase(kept, target.step_cost(), draft.step_cost(), overhead, budget, moe)
+    target = _noted(target, _coarse_note("decode staircase", "batch sizes", [s.batch_size for s in staircase]))
+    draft = _noted(draft, _coarse_note("SD step staircase", "step sizes", [s.step_tokens for s in verify]))
     phases = Phases(
         target=target,
         draft=draft,
@@ -1080,6 +1083,25 @@ def fit_phases(
         verify_staircase=verify,
     )
     return phases, unc
+
+
+def _noted(spec, note: str):
+    """The phase with one more fit note (unchanged without a note or a fit)."""
+    if not note or spec.fit is None:
+        return spec
+    return spec.model_copy(update={"fit": spec.fit.model_copy(update={"notes": [*spec.fit.notes, note]})})
+
+
+def _coarse_note(name: str, what: str, sizes: Sequence[int]) -> str:
+    """Say so when the sizes benchmarked lie too far apart for the model to read a staircase
+    between them (model.STAIR_MAX_GAP_TOKENS): there it adds nothing, and a denser grid helps."""
+    wide = sum(1 for a, b in itertools.pairwise(sizes) if b - a > STAIR_MAX_GAP_TOKENS)
+    if not wide:
+        return ""
+    return (
+        f"{name}: {wide} of {len(sizes) - 1} gaps between the {what} benchmarked exceed {STAIR_MAX_GAP_TOKENS:g}"
+        " tokens and are not read (bench every 8 sequences to place the risers)"
+    )
 
 
 def decode_staircase(

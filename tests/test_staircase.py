@@ -182,3 +182,19 @@ def test_the_sd_chain_reads_the_staircase_at_its_step_tokens_and_adds_nothing_pa
         assert np.allclose(h[tokens <= 288], h0[tokens <= 288])
         assert (h[tokens == 600] < h0[tokens == 600]).all()
         assert np.allclose(h[tokens > 600], h0[tokens > 600])  # past the table: nothing known
+
+
+def test_calibrate_says_where_its_grid_is_too_coarse_to_read_a_staircase():
+    # Every 8 sequences leaves no gap wider than 40 tokens; powers of two leave them past 32.
+    dense = calibrate(bench_rows(LINE, batch_sizes=(1, 2, 4, *range(8, 257, 8)), seed=3), max_num_batched_tokens=8192)
+    assert not any("staircase" in n for n in dense.phases.target.fit.notes + dense.phases.draft.fit.notes)
+    sparse = calibrate(
+        bench_rows(LINE, batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), seed=3), max_num_batched_tokens=8192
+    )
+    # γ = 2 and 4 at powers of two: 18 step sizes, wider than 40 tokens at 96 → 160, 192 → 320,
+    # 320 → 384, 384 → 640, 640 → 768 and 768 → 1280.
+    assert len(sparse.phases.verify_staircase) == 18
+    (verify_note,) = [n for n in sparse.phases.draft.fit.notes if n.startswith("SD step staircase")]
+    assert "6 of 17 gaps" in verify_note and "every 8 sequences" in verify_note
+    (decode_note,) = [n for n in sparse.phases.target.fit.notes if n.startswith("decode staircase")]
+    assert "2 of 8 gaps" in decode_note  # 64 → 128 → 256
