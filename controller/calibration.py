@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -1117,10 +1117,9 @@ def decode_staircase(
     bench's batch grid, the better it places the steps).
     """
     decode, _prompt = _target_rows(rows)
-    by_batch: dict[int, list[float]] = defaultdict(list)
-    for r in decode:
-        by_batch[r.batch_size].append(_target_residual(r, target, budget, moe)[1])
-    return [StairStep(batch_size=b, residual_s=float(np.mean(v))) for b, v in sorted(by_batch.items())]
+    residuals = [(r, _target_residual(r, target, budget, moe)[1]) for r in decode]
+    means = _supported_means(residuals, lambda r: r.batch_size)
+    return [StairStep(batch_size=b, residual_s=v) for b, v in sorted(means.items())]
 
 
 def verify_staircase(
@@ -1140,13 +1139,46 @@ def verify_staircase(
     lengths' rows interleave (γ = 2 every 3·8 tokens, γ = 4 every 5·8) and place the risers
     between them; a draft length never benchmarked reads the same table.
     """
-    by_tokens: dict[int, list[float]] = defaultdict(list)
+    residuals = []
     for r in rows:
         if r.phase != "verify" or r.draft_length <= 0:
             continue
         drafted = sum(c * draft.scalar(x, z, q, a) for c, x, z, q, a in draft_passes(r, budget)) + overhead_s
-        by_tokens[r.batch_size * (r.draft_length + 1)].append(_target_residual(r, target, budget, moe)[1] - drafted)
-    return [VerifyStairStep(step_tokens=t, residual_s=float(np.mean(v))) for t, v in sorted(by_tokens.items())]
+        residuals.append((r, _target_residual(r, target, budget, moe)[1] - drafted))
+    means = _supported_means(residuals, lambda r: r.batch_size * (r.draft_length + 1))
+    return [VerifyStairStep(step_tokens=t, residual_s=v) for t, v in sorted(means.items())]
+
+
+def _supported_means(residuals: Sequence[tuple[BenchRow, float]], size: Callable[[BenchRow], int]) -> dict[int, float]:
+    """Each step size's mean residual, less what the bench's own jitter would show: ``r − se²/r``
+    (0 where |r| ≤ se), the positive-part James–Stein estimate per size.
+
+    A server whose step is smooth in the batch (no tiles, or tiles the bench cannot see) leaves
+    residuals that are noise; added to every state of the chain they would move its rates and the
+    limit at random. The jitter is relative (a step's scales with its length), so its variance is
+    pooled over every configuration measured more than once (the same phase, batch, draft length,
+    context and chunk: rows of one size that differ in those differ by the fit, not by noise), and
+    a size's standard error is that share of its mean step over √(its rows). A bench with one
+    iteration per configuration has no such estimate: its residuals are kept as measured.
+    """
+    same: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+    by_size: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for r, res in residuals:
+        same[(r.phase, r.batch_size, r.draft_length, r.context_len, r.chunk_tokens)].append((res, r.latency_s))
+        by_size[size(r)].append((res, r.latency_s))
+    dof = spread = 0.0
+    for runs in same.values():
+        if len(runs) > 1:
+            res, lat = np.array(runs).T
+            spread += float(np.var(res, ddof=1)) / float(np.mean(lat)) ** 2 * (len(runs) - 1)
+            dof += len(runs) - 1
+    rel_var = spread / dof if dof else 0.0
+    out = {}
+    for key, runs in by_size.items():
+        res, lat = np.array(runs).T
+        mean, se2 = float(np.mean(res)), rel_var * float(np.mean(lat)) ** 2 / len(runs)
+        out[key] = mean - se2 / mean if mean * mean > se2 else 0.0
+    return out
 
 
 # --------------------------------------------------------------------------------------------

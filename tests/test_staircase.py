@@ -198,3 +198,26 @@ def test_calibrate_says_where_its_grid_is_too_coarse_to_read_a_staircase():
     assert "6 of 17 gaps" in verify_note and "every 8 sequences" in verify_note
     (decode_note,) = [n for n in sparse.phases.target.fit.notes if n.startswith("decode staircase")]
     assert "2 of 8 gaps" in decode_note  # 64 → 128 → 256
+
+
+def test_a_smooth_servers_jitter_is_not_kept_as_a_staircase_and_a_tiled_ones_treads_are():
+    # Straight passes measured with 4 % jitter, 4 iterations after warm-up: each size's mean
+    # residual is noise with a standard error of ~2 % of the step.
+    smooth = calibrate(bench_rows(LINE, batch_sizes=BATCHES, noise=0.04, iterations=7, seed=11), warmup=3)
+    kept = [s.residual_s for s in smooth.phases.verify_staircase]
+    assert sum(1 for r in kept if r == 0.0) > 0.4 * len(kept)  # |mean| under its standard error
+    # Treads of ±4 % under 1 % jitter stand well above it: kept where they are, barely shrunk.
+    rows = bench_rows(LINE, batch_sizes=BATCHES, noise=0.01, iterations=7, seed=11)
+    tiled = [
+        replace(r, latency_s=r.latency_s * (1.0 + token_tread(r.batch_size * (r.draft_length + 1))))
+        if r.phase == "verify"
+        else r
+        for r in rows
+    ]
+    stepped = calibrate(tiled, max_num_batched_tokens=8192, warmup=3).phases.verify_staircase
+    big = [s for s in stepped if s.step_tokens >= 2 * TOKEN_TILE]
+    step = {s.step_tokens: LINE.target.scalar(s.step_tokens) for s in big}  # the step, near enough
+    got = np.array([s.residual_s / step[s.step_tokens] for s in big])
+    want = np.array([token_tread(s.step_tokens) for s in big])
+    assert np.corrcoef(got, want)[0, 1] > 0.9
+    assert np.sqrt(np.mean(got**2)) > 0.7 * np.sqrt(np.mean(want**2))
