@@ -128,15 +128,19 @@ def token_tread(tokens: int) -> float:
     return tread(tokens, TOKEN_TILE)
 
 
-def test_calibrate_reads_the_sd_steps_residual_per_step_tokens_every_draft_length_together():
-    rows = bench_rows(LINE, batch_sizes=BATCHES, noise=0.005, iterations=8, seed=3)
-    # The target's tiles count tokens: a verify step of B sequences at γ runs B·(γ + 1).
-    stepped_rows = [
+def with_token_staircase(rows):
+    """The SD server's verify steps on token tiles: a step of B sequences at γ runs B·(γ + 1)."""
+    return [
         replace(r, latency_s=r.latency_s * (1.0 + token_tread(r.batch_size * (r.draft_length + 1))))
         if r.phase == "verify"
         else r
         for r in rows
     ]
+
+
+def test_calibrate_reads_the_sd_steps_residual_per_step_tokens_every_draft_length_together():
+    rows = bench_rows(LINE, batch_sizes=BATCHES, noise=0.005, iterations=8, seed=3)
+    stepped_rows = with_token_staircase(rows)  # the target's tiles count tokens
     flat = calibrate(rows, max_num_batched_tokens=8192, warmup=3)
     stepped = calibrate(stepped_rows, max_num_batched_tokens=8192, warmup=3)
     tokens = sorted({b * (g + 1) for b in BATCHES for g in (2, 4)})
@@ -208,12 +212,7 @@ def test_a_smooth_servers_jitter_is_not_kept_as_a_staircase_and_a_tiled_ones_tre
     assert sum(1 for r in kept if r == 0.0) > 0.4 * len(kept)  # |mean| under its standard error
     # Treads of ±4 % under 1 % jitter stand well above it: kept where they are, barely shrunk.
     rows = bench_rows(LINE, batch_sizes=BATCHES, noise=0.01, iterations=7, seed=11)
-    tiled = [
-        replace(r, latency_s=r.latency_s * (1.0 + token_tread(r.batch_size * (r.draft_length + 1))))
-        if r.phase == "verify"
-        else r
-        for r in rows
-    ]
+    tiled = with_token_staircase(rows)
     stepped = calibrate(tiled, max_num_batched_tokens=8192, warmup=3).phases.verify_staircase
     big = [s for s in stepped if s.step_tokens >= 2 * TOKEN_TILE]
     step = {s.step_tokens: LINE.target.scalar(s.step_tokens) for s in big}  # the step, near enough
