@@ -1049,6 +1049,19 @@ def drop_over_kv(rows: Sequence[BenchRow]) -> tuple[list[BenchRow], int]:
     return kept, dropped
 
 
+def drop_over_budget(rows: Sequence[BenchRow], budget: int | None) -> tuple[list[BenchRow], int]:
+    """Mixed rows whose chunk and decode tokens together exceed the step's token budget, removed.
+
+    vLLM gives a prompt only the budget left beside the running sequences, so such a chunk
+    spanned several steps and the row timed none of them (``bench`` now measures at the
+    remainder; older files may hold them). Without a budget nothing is dropped.
+    """
+    if budget is None:
+        return list(rows), 0
+    kept = [r for r in rows if r.phase != "mixed" or r.chunk_tokens + r.batch_size * r.tokens_per_seq <= budget]
+    return kept, len(rows) - len(kept)
+
+
 def fit_phases(
     rows: Sequence[BenchRow],
     warmup: int = DEFAULT_WARMUP,
@@ -1057,11 +1070,18 @@ def fit_phases(
     budget: int | None = None,
 ) -> tuple[Phases, Uncertainty]:
     """Fit the target and draft passes; prefill (or mixed), target and verify rows are required."""
-    kept, dropped = drop_over_kv(drop_warmup(rows, warmup, where))
+    kept, over_budget = drop_over_budget(drop_warmup(rows, warmup, where), budget)
+    kept, dropped = drop_over_kv(kept)
     target = fit_target(kept, budget, moe, where)
     if dropped:
         target = _noted(
             target, f"{dropped} row(s) dropped: their batch's KV context exceeds the server's KV cache (vLLM preempts)"
+        )
+    if over_budget:
+        target = _noted(
+            target,
+            f"{over_budget} mixed row(s) dropped: chunk plus decode tokens exceed the step budget {budget}"
+            " (the chunk spanned steps); rebench: bench now measures at the budget's remainder",
         )
     draft, overhead, _draft_prefill = fit_draft(kept, target.step_cost(), budget, where, moe)
     unc = Uncertainty(

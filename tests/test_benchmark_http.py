@@ -174,6 +174,7 @@ def test_cli_load_test_writes_one_row_per_rate(fake, tmp_path, monkeypatch):
         ["--phase", "verify"],
         ["--phase", "target", "--draft-length", "4"],
         ["--chunk-tokens", "0"],
+        ["--max-num-batched-tokens", "8"],
         ["--load-test", "--rates", "0"],
         ["--load-test", "--duration-s", "1e9"],
         ["--load-test", "--rates", "100", "--max-requests", "10"],
@@ -227,6 +228,8 @@ def test_a_load_test_reads_the_running_context_from_the_gauges_it_scrapes():
         server.set_gauges(running=5.0)
         http = HttpServer(server.url, "tiny", 10)
         assert http.info().block_size == 16
+        assert http.info().max_num_batched_tokens is None  # /metrics does not show the budget: the user says it
+        assert HttpServer(server.url, "tiny", 10, max_num_batched_tokens=2048).info().max_num_batched_tokens == 2048
         rate_plan = LoadPlan(rates=(4.0,), duration_s=3.5, drain_s=5.0, workload="chat", seed=1)
         (row,) = run_load(http, lognormal_workload(8, 4, 0.0, kind="chat"), rate_plan)
         # Scraped about once a second through the probe; the warm-up's scrape left out.

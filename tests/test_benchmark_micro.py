@@ -77,17 +77,37 @@ def test_mixed_recovers_the_chunk_step_cost(gamma, accepted):
     assert warnings == []
 
 
-def test_mixed_warns_when_the_chunk_exceeds_the_token_budget():
+def test_a_chunk_past_the_budget_is_measured_at_what_the_budget_leaves():
+    # vLLM gives a waiting prompt only the budget the decoders leave: 512 − 2 = 510 tokens. A
+    # 1024-token chunk would span two steps and time neither; the bench times a 510-token one.
     server = FakeBenchServer(token_budget=512)
     warnings: list[str] = []
     rows = micro.run_micro(
-        server, plan(phases=("mixed",), batch_sizes=(2,), chunk_tokens=(1024,)), warn=warnings.append
+        server, plan(phases=("mixed",), batch_sizes=(2,), chunk_tokens=(128, 1024, 2048)), warn=warnings.append
     )
-    assert any("token budget 512" in w for w in warnings)
-    # Split over two steps, the decoders still step once per step: the row is τ plus the whole
-    # chunk's marginal cost, as if it had fitted in one step.
-    (r,) = {round(x.latency_s, 9) for x in by_phase(rows, "mixed")}
-    assert r == pytest.approx(COSTS.step_s(1024, 2, 0))
+    assert sorted({r.chunk_tokens for r in by_phase(rows, "mixed")}) == [128, 510]
+    assert len(by_phase(rows, "mixed")) == 2 * 2  # 2048 clamps to the same 510: measured once
+    assert [w for w in warnings if "budget 512" in w] == [
+        "mixed B=2 C=1024: the step budget 512 leaves 510 tokens beside 2 decode tokens; measured at C=510",
+        "mixed B=2 C=2048: the step budget 512 leaves 510 tokens beside 2 decode tokens; measured at C=510",
+    ]
+    for r in by_phase(rows, "mixed"):
+        assert r.latency_s == pytest.approx(COSTS.step_s(r.chunk_tokens, 2, 0))
+
+
+@pytest.mark.parametrize(
+    ("chunks", "batch", "per_seq", "budget", "expected"),
+    [
+        ((128, 2048), 8, 1, None, [128, 2048]),  # budget unknown (vLLM's /metrics does not show it)
+        ((128, 2048), 8, 1, 8192, [128, 2048]),
+        ((128, 1024, 2048), 168, 5, 2048, [128, 1024, 1208]),
+        ((2048, 128), 200, 5, 2048, [1048, 128]),  # plan order kept
+        ((128, 512), 410, 5, 2048, []),  # the decodes alone fill the budget
+        ((128, 512), 409, 5, 2048, [3]),
+    ],
+)
+def test_chunks_beside(chunks, batch, per_seq, budget, expected):
+    assert micro.chunks_beside(chunks, batch, per_seq, budget) == expected
 
 
 def test_kv_cache_row_only_when_known():

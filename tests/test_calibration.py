@@ -395,3 +395,21 @@ def test_rows_past_the_kv_cache_are_dropped_and_noted():
     assert cal.phases.target.context_s_per_token == pytest.approx(5e-8, rel=0.05)
     # Without the cache size nothing can be judged, so nothing is dropped.
     assert cal_mod.drop_over_kv(preempted) == (preempted, 0)
+
+
+def test_mixed_rows_past_the_step_budget_are_dropped_and_noted():
+    # An older bench injected chunks larger than the budget leaves beside the batch: the chunk
+    # spanned steps, so the row (here made 50 % slower, as a second step would) times no pass.
+    rows = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.01, iterations=6, warmup_penalty=0.0)
+    over = [r for r in rows if r.phase == "mixed" and r.chunk_tokens + r.batch_size * r.tokens_per_seq > 2048]
+    assert over
+    spanned = [replace(r, latency_s=1.5 * r.latency_s) if r in over else r for r in rows]
+    kept, dropped = cal_mod.drop_over_budget(spanned, 2048)
+    assert dropped == len(over) and len(kept) == len(rows) - len(over)
+    assert all(r.chunk_tokens + r.batch_size * r.tokens_per_seq <= 2048 for r in kept if r.phase == "mixed")
+    cal = calibrate(spanned, warmup=0, max_num_batched_tokens=2048)
+    clean = calibrate(kept, warmup=0, max_num_batched_tokens=2048)
+    assert cal.phases.target.slope_s_per_token == clean.phases.target.slope_s_per_token
+    assert any(f"{len(over)} mixed row(s) dropped" in n for n in cal.phases.target.fit.notes)
+    # Without a budget nothing can be judged, so nothing is dropped.
+    assert cal_mod.drop_over_budget(spanned, None) == (spanned, 0)

@@ -68,8 +68,11 @@ class HttpServer:
         draft_length: int = 0,
         seed: int = 0,
         max_workers: int = MAX_WORKERS,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        # vLLM's /metrics does not show the scheduler's budget: the user says what it was started with.
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.model = model
         self.timeout_s = timeout_s
         self.draft_length = draft_length
@@ -151,7 +154,9 @@ class HttpServer:
                 except (KeyError, ValueError):
                     kv_tokens = block_size = None
                 break
-        return ServerInfo(self.draft_length, kv_tokens, block_size=block_size)
+        return ServerInfo(
+            self.draft_length, kv_tokens, block_size=block_size, max_num_batched_tokens=self.max_num_batched_tokens
+        )
 
     def gauges(self) -> list[GaugeSample]:
         return list(self._gauges)

@@ -273,6 +273,33 @@ def mixed_step_s(
     return max(latency_s, 0.0)
 
 
+def chunks_beside(
+    chunks: Sequence[int], batch: int, tokens_per_seq: int, budget: int | None, warn: Warn | None = None
+) -> list[int]:
+    """The prompt chunks one step can carry beside ``batch`` decoding sequences, in plan order.
+
+    vLLM schedules the running sequences first and gives a waiting prompt what is left of the
+    step's token budget, so a larger chunk never rides one step: it would span several and the
+    run would time neither a mixed step nor a prefill. Such a chunk is measured at the budget's
+    remainder instead (once, however many planned chunks exceed it); none fits when the decode
+    tokens alone fill the budget.
+    """
+    if budget is None:
+        return list(chunks)
+    room = budget - batch * tokens_per_seq
+    out: list[int] = []
+    for chunk in chunks:
+        fits = min(chunk, room)
+        if fits < chunk and warn is not None:
+            warn(
+                f"mixed B={batch} C={chunk}: the step budget {budget} leaves {max(room, 0)} tokens beside"
+                f" {batch * tokens_per_seq} decode tokens; " + (f"measured at C={fits}" if fits >= 1 else "skipped")
+            )
+        if fits >= 1 and fits not in out:
+            out.append(fits)
+    return out
+
+
 def _mixed_step_with_retries(
     server: BenchServer,
     batch: int,
@@ -347,10 +374,7 @@ def run_micro(
         if "mixed" in plan.phases and not full:
             if pilot is None:
                 pilot = decode_run(server, batch, plan.prompt_tokens, plan.gen_tokens, gamma)
-            for chunk in plan.chunk_tokens:
-                budget = info.max_num_batched_tokens
-                if warn is not None and budget is not None and chunk + batch * tokens_per_seq > budget:
-                    warn(f"mixed B={batch} C={chunk}: exceeds the token budget {budget}; the chunk spans steps")
+            for chunk in chunks_beside(plan.chunk_tokens, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
                 single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
                 layout = mixed_layout(pilot, plan.gen_tokens, single.done_s - single.sent_s, plan)
                 for it in range(plan.warmup + plan.iterations):

@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(map(str, DEFAULT_CHUNK_TOKENS)),
         help="mixed: prompt tokens of the injected prefill chunk, comma list (default 128,512,1024,2048)",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="mixed: the server's step token budget (vLLM --max-num-batched-tokens; /metrics does not show it):"
+        " a chunk larger than the budget leaves beside the batch is measured at that remainder",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length P (load test: mean; default 64)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="generated tokens N (load test: mean; default 32)")
     parser.add_argument(
@@ -177,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.timeout_s <= 0:
             raise InputError("--timeout-s must be > 0")
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 16:
+            raise InputError(f"--max-num-batched-tokens: {args.max_num_batched_tokens} must be >= 16")
         micro = None if args.load_test else _micro_plan(args)
         load = _load_plan(args) if args.load_test else None
     except InputError as exc:
@@ -186,7 +195,15 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key_env and not api_key:
         print(f"sd-controller bench: --api-key-env {args.api_key_env}: the variable is not set", file=sys.stderr)
         return EXIT_USAGE
-    server = HttpServer(args.url, args.model, args.timeout_s, api_key, draft_length=args.draft_length, seed=args.seed)
+    server = HttpServer(
+        args.url,
+        args.model,
+        args.timeout_s,
+        api_key,
+        draft_length=args.draft_length,
+        seed=args.seed,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     started = time.monotonic()
 
     def note(message: str) -> None:
