@@ -166,3 +166,36 @@ def test_bench_csv_has_exact_columns():
         "mixed,8,5,96,1,0.050000,4,512",
         "kv_cache,1,1,100000,0,0.000000,4,0",
     ]
+
+
+def test_a_mixed_run_that_would_outgrow_the_kv_cache_is_skipped_not_fatal():
+    # 8 decoders of 64 + N₂ tokens fit a 4,096-token cache; 64 do not: vLLM would preempt them
+    # and the injection wait for blocks, so those runs are skipped with a warning, and the
+    # decode rows (which calibrate judges against the cache itself) are kept.
+    server = FakeBenchServer(kv_cache_tokens=4096)
+    warnings: list[str] = []
+    rows = micro.run_micro(
+        server, plan(phases=("target", "mixed"), batch_sizes=(8, 64), chunk_tokens=(128,)), warn=warnings.append
+    )
+    assert {r.batch_size for r in by_phase(rows, "mixed")} == {8}
+    assert {r.batch_size for r in by_phase(rows, "target")} == {8, 64}
+    (why,) = [w for w in warnings if "KV" in w]
+    assert why.startswith("mixed B=64 C=128: 64 decoders of 64 + ") and "the cache holds 4096" in why
+
+
+@pytest.mark.parametrize(
+    ("cap", "block", "gamma", "fits"),
+    [
+        (None, 16, 0, True),  # the cache size unknown: nothing to judge
+        (8 * 128 + 128, 16, 0, True),  # 8 × (64 + 64) rounds to 8 whole blocks each, plus the chunk
+        (8 * 128 + 127, 16, 0, False),
+        (8 * 144 + 128, 16, 4, True),  # γ = 4 of lookahead spills each decoder into a ninth block
+        (8 * 144 + 127, 16, 4, False),
+        (8 * 192 + 128, 64, 4, True),  # 64-token blocks: 132 tokens take three
+        (8 * 192 + 127, 64, 4, False),
+    ],
+)
+def test_kv_shortfall(cap, block, gamma, fits):
+    info = micro.ServerInfo(gamma, cap, block_size=block)
+    layout = micro.MixedLayout(gen_tokens=64, injections_at_s=(1.0,))
+    assert (micro.kv_shortfall(info, 8, 64, 128, layout) is None) == fits

@@ -186,6 +186,31 @@ class InjectionOutsideWindow(ProbeError):
     """An injected chunk was not served while every decoder was still decoding."""
 
 
+class MixedOutgrowsCache(ProbeError):
+    """A mixed run whose decoders and chunk would not fit the server's KV cache together."""
+
+
+def kv_shortfall(info: ServerInfo, batch: int, prompt_tokens: int, chunk: int, layout: MixedLayout) -> str | None:
+    """Why a mixed run cannot be timed in this server's KV cache, or None when it fits.
+
+    At their end the decoders hold P + N₂ tokens each (and γ of lookahead), beside the chunk
+    being injected. Past the cache vLLM preempts a decoder and the injection waits for blocks:
+    the run would time recomputation, or not finish inside the decoders' window at all.
+    """
+    cap = info.kv_cache_tokens
+    if cap is None:
+        return None
+    block = info.block_size or 16
+    per_decoder = math.ceil((prompt_tokens + layout.gen_tokens + info.draft_length) / block) * block
+    need = batch * per_decoder + math.ceil(chunk / block) * block
+    if need <= cap:
+        return None
+    return (
+        f"mixed B={batch} C={chunk}: {batch} decoders of {prompt_tokens} + {layout.gen_tokens} tokens beside the chunk"
+        f" need {need} KV tokens, the cache holds {cap} (vLLM would preempt); skipped"
+    )
+
+
 def mixed_layout(
     pilot: DecodeRun, gen_tokens: int, chunk_latency_s: float, plan: MicroPlan, margin: float = 1.0
 ) -> MixedLayout:
@@ -315,7 +340,8 @@ def _mixed_step_with_retries(
     with longer decoders.
 
     With SD each decoder accepts at its own rate, and in a big batch the luckiest one finishes
-    well before the mean the layout was sized by: N₂ grows by ``MIXED_RETRY_MARGIN`` per retry.
+    well before the mean the layout was sized by: N₂ grows by ``MIXED_RETRY_MARGIN`` per retry,
+    as long as the longer decoders still fit the KV cache (:class:`MixedOutgrowsCache` if not).
     """
     for retry in range(1, MIXED_RETRIES + 1):
         try:
@@ -323,6 +349,8 @@ def _mixed_step_with_retries(
         except InjectionOutsideWindow:
             margin = MIXED_RETRY_MARGIN**retry
             layout = mixed_layout(pilot, plan.gen_tokens, single.done_s - single.sent_s, plan, margin)
+            if (why := kv_shortfall(server.info(), batch, plan.prompt_tokens, chunk, layout)) is not None:
+                raise MixedOutgrowsCache(why) from None
     return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, gamma, warn), layout
 
 
@@ -377,9 +405,20 @@ def run_micro(
             for chunk in chunks_beside(plan.chunk_tokens, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
                 single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
                 layout = mixed_layout(pilot, plan.gen_tokens, single.done_s - single.sent_s, plan)
+                if (why := kv_shortfall(info, batch, plan.prompt_tokens, chunk, layout)) is not None:
+                    if warn is not None:
+                        warn(why)
+                    continue
                 for it in range(plan.warmup + plan.iterations):
                     # A layout that needed longer decoders keeps them for the next iterations.
-                    t, layout = _mixed_step_with_retries(server, batch, plan, chunk, pilot, single, layout, gamma, warn)
+                    try:
+                        t, layout = _mixed_step_with_retries(
+                            server, batch, plan, chunk, pilot, single, layout, gamma, warn
+                        )
+                    except MixedOutgrowsCache as exc:  # the iterations already timed stay
+                        if warn is not None:
+                            warn(str(exc))
+                        break
                     if it >= plan.warmup:
                         ctx = plan.prompt_tokens + layout.gen_tokens // 2
                         rows.append(BenchRow("mixed", batch, tokens_per_seq, ctx, it - plan.warmup, t, gamma, chunk))
