@@ -14,7 +14,9 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
 
 ``--truth a100-coarse`` is a second truth held out from the model's development (gpu.py's
 A100_COARSE: another GPU, 128-token GEMM tiles, a slower host); its load tests default to the
-rates around its capacity.
+rates around its capacity. ``--truth l40s`` is a third (gpu.py's L40S run with vLLM's defaults
+for a 48 GB card: a 2048-token step budget, so long prompts span steps, and a KV cache that
+fills before 256 sequences do).
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ from controller.errors import InputError
 from controller.sim import fidelity, gpu
 from controller.validation import ValidationReport, validate
 
+L40S_RATES = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 3, 4, 4.5, 5, 5.5, 6)
 TRUTHS = {
-    "h100": (gpu.H100_SXM, (1, 2, 4, 6, 8, 10, 12, 13, 14, 15, 16, 17, 18, 20)),
-    "a100-coarse": (gpu.A100_COARSE, (1, 2, 3, 4, 5, 5.5, 6, 6.5, 7, 7.5, 8, 9, 10)),
+    "h100": (fidelity.TruthServer(gpu=gpu.H100_SXM), (1, 2, 4, 6, 8, 10, 12, 13, 14, 15, 16, 17, 18, 20)),
+    "a100-coarse": (fidelity.TruthServer(gpu=gpu.A100_COARSE), (1, 2, 3, 4, 5, 5.5, 6, 6.5, 7, 7.5, 8, 9, 10)),
+    # vLLM's API-server defaults below 70 GiB: a 2048-token step budget, so long prompts span
+    # steps and a 2048-token chunk never rides beside a batch; a KV cache that fills first.
+    "l40s": (fidelity.TruthServer(gpu=gpu.L40S, max_num_batched_tokens=2048), L40S_RATES),
 }
 
 
@@ -76,7 +82,7 @@ def main() -> None:
         print(f"re-validated in {time.monotonic() - started:.1f} s: {args.revalidate}/")
         _summarize(reports, args.revalidate)
         return
-    gpu_spec, rates = TRUTHS[args.truth]
+    truth, rates = TRUTHS[args.truth]
     if args.rates:
         try:
             rates = tuple(float(r) for r in args.rates.split(","))
@@ -97,7 +103,7 @@ def main() -> None:
         load = fidelity.LoadSettings(duration_s=120.0, rates=(1, 4, 8, 12), workloads=("chat",))
     started = time.monotonic()
     run = fidelity.run(
-        truth=fidelity.TruthServer(gpu=gpu_spec),
+        truth=truth,
         bench=fidelity.BenchSettings(batch_sizes=fidelity.EVERY_8),
         load=load,
         workdir=args.out,

@@ -770,7 +770,11 @@ def mode_curve(
     sharing = _sharing_hinges(terms, nodes, bound) if p > 0 else None
     table = model.verify_staircase_on if sd else model.decode_staircase_off
     stair = _staircase(table, steps, bound, k) if table else None  # k = 1 token a sequence without SD
-    chain, gained = _chain_rates(segments, waits, ends, bound, lines, sharing, stair, peak_b, q if p > 0 else None)
+    budget = model.max_num_batched_tokens
+    chunks = chunking_excess(terms, nodes, workload.prompt_tokens_std, budget, bound) if p > 0 and budget else None
+    chain, gained = _chain_rates(
+        segments, waits, ends, bound, lines, sharing, stair, peak_b, q if p > 0 else None, chunks
+    )
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
     # found rises with the best state's (the chain's tail is served at the limit), and moves
     # with the staircase's tread at the batch it runs.
@@ -816,6 +820,83 @@ def _prompt_cost_q(terms: _ModeTerms, nodes: tuple[tuple[float, float], ...]) ->
     if not mean > 0.0:
         return 1.0
     return sum(w * (c / mean) ** 2 for w, c in costs)  # ratios first: a tiny mean squared underflows
+
+
+# Below this share of prompts longer than any state's room, chunking is not priced (a fresh
+# workload on a big budget pays nothing for it).
+CHUNKED_SHARE_FLOOR = 1e-4
+# Where the decodes leave (almost) no room the budget limit holds (_budget_limit): the room is
+# kept this wide and the chunks counted this far, so such states stay finite and cheap.
+MIN_ROOM_TOKENS = 16.0
+MAX_CHUNKS = 32
+
+
+def chunking_excess(
+    terms: _ModeTerms,
+    nodes: tuple[tuple[float, float], ...],
+    prompt_sd: float | None,
+    budget: float,
+    bound: float,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per state (B others, B + 1 running): what prompts longer than the step's budget leaves
+    beside the batch cost beyond one pass. None where no state's room is exceeded.
+
+    vLLM schedules the running sequences' k·(B + 1) tokens first and gives a waiting prompt the
+    room r = budget − k·(B + 1) left; a longer prompt is prefilled in m = ⌈P/r⌉ chunks over m
+    steps. Two costs follow, neither in Δ(B) = t(k·(B + 1) + P) − t(k·(B + 1)):
+
+    * the chunks' passes cost ⌊P/r⌋·g(r) + g(P mod r) − g(P), g(c) = t(k·(B + 1) + c) −
+      t(k·(B + 1)), beyond the one pass Δ prices: past a knee a pass is cheaper per token, and
+      the passes a budget cuts never get there (the bench never ran one, so t above the budget
+      is an extrapolation). Every prompt a request meets pays it, its own included (the
+      attention pairs are P²/2 however a prompt is cut, and cancel);
+    * the request's own prompt takes m − 1 more steps of τ(B) before its first token;
+      E[m − 1] = Σ_{j ≥ 1} Pr(P > j·r) over the lognormal prompt lengths (a step function of
+      r for a fixed P).
+
+    Returns (seconds per prompt met, extra steps of its own), one entry per state.
+    """
+    top = min(math.floor(bound), MAX_STATES)
+    running = _CHAIN_N[:top]
+    decode = terms.step_tokens * running
+    room = np.maximum(budget - decode, MIN_ROOM_TOKENS)
+    widest = float(room.min())
+    mean = sum(w * x for w, x in nodes)
+    cv = min((prompt_sd or 0.0) / mean, MAX_PROMPT_CV) if mean > 0 else 0.0
+    if cv > 0.0:
+        s = math.sqrt(math.log1p(cv * cv))
+        mu = math.log(mean) - 0.5 * s * s
+        longest = math.exp(mu + 8.0 * s)  # Pr(P > it) < 1e-15
+
+        def survival(x: np.ndarray) -> np.ndarray:
+            z = (np.log(np.maximum(x, 1e-300)) - mu) / (s * math.sqrt(2.0))
+            return 0.5 * _ERFC(z).astype(float)
+    else:
+        longest = mean
+
+        def survival(x: np.ndarray) -> np.ndarray:
+            return (mean > x).astype(float)
+
+    if max(x for _, x in nodes) <= widest and float(survival(np.array([widest]))[0]) < CHUNKED_SHARE_FLOOR:
+        return None
+    extra_steps = np.zeros(top)
+    for j in range(1, min(math.ceil(longest / widest), MAX_CHUNKS) + 1):
+        extra_steps += survival(j * room)
+    priced = terms.priced
+
+    def g(chunk: np.ndarray) -> np.ndarray:
+        return sum((c(decode + chunk) - c(decode) for c in priced), np.zeros(top))
+
+    per_prompt = np.zeros(top)
+    if priced:
+        whole_room = g(room)
+        for w, x in nodes:
+            full = np.floor(x / room)
+            per_prompt += w * (full * whole_room + g(x - full * room) - g(np.full(top, x)))
+    return per_prompt, extra_steps
+
+
+_ERFC = np.frompyfunc(math.erfc, 1, 1)
 
 
 def _sharing_hinges(
@@ -926,6 +1007,7 @@ def _chain_rates(
     stair_s: np.ndarray | None = None,
     peak_batch: float = math.inf,
     prompt_q: float | None = None,
+    chunking: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, float]:
     """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1);
     and how much prompts sharing a step and the staircase raise the best state's rate (1.0
@@ -946,6 +1028,10 @@ def _chain_rates(
 
     ``prompt_q`` (q = E[Δ²]/E[Δ]²; None without prompts) adds what the step in flight's wait
     misses when prompts bunch: see :func:`bunched_wait_excess`, at the state's own λ = B/T(B).
+
+    ``chunking`` (per state: seconds each prompt met costs beyond one pass, and the steps a
+    request's own prompt takes beyond one) prices prompts longer than the step's token budget
+    leaves beside the batch: see :func:`chunking_excess`.
     """
     top = min(math.floor(bound), MAX_STATES)
     n, b = _CHAIN_N[:top], _OTHERS[:top]
@@ -975,6 +1061,8 @@ def _chain_rates(
             t = 0.5 * (x + np.sqrt(x * x + b4r))
         if prompt_q is not None:
             t += bunched_wait_excess(b / t, tau, delta, prompt_q)
+        if chunking is not None:
+            t += n * chunking[0] + chunking[1] * tau
         gained = float((n / t).max() / plain)
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
     rates = n / np.maximum(t, 1e-300)

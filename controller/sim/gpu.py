@@ -97,6 +97,9 @@ A100_COARSE = replace(
     step_overhead_s=0.8e-3,
     per_seq_overhead_s=30e-6,
 )
+# A third truth (bench_fidelity.py --truth l40s): a 48 GB card with GDDR6, a quarter of the
+# H100's bandwidth and a third of its compute (datasheet: 362 TFLOP/s dense bf16, 864 GB/s).
+L40S = replace(H100_SXM, name="L40S-48GB", peak_flops=362e12, hbm_bytes_per_s=0.864e12, memory_bytes=48 * GIB)
 LLAMA_3_1_8B = ModelSpec(
     name="Llama-3.1-8B", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256
 )
