@@ -849,7 +849,7 @@ def chunking_excess(
       t(k·(B + 1)), beyond the one pass Δ prices: past a knee a pass is cheaper per token, and
       the passes a budget cuts never get there (the bench never ran one, so t above the budget
       is an extrapolation). Every prompt a request meets pays it, its own included (the
-      attention pairs are P²/2 however a prompt is cut, and cancel);
+      attention pairs are P²/2 however a prompt is cut, and cancel); never below 0;
     * the request's own prompt takes m − 1 more steps of τ(B) before its first token;
       E[m − 1] = Σ_{j ≥ 1} Pr(P > j·r) over the lognormal prompt lengths (a step function of
       r for a fixed P).
@@ -857,30 +857,31 @@ def chunking_excess(
     Returns (seconds per prompt met, extra steps of its own), one entry per state.
     """
     top = min(math.floor(bound), MAX_STATES)
+    narrowest = max(budget - terms.step_tokens * top, MIN_ROOM_TOKENS)  # the fullest state's room
+    mean = sum(w * x for w, x in nodes)
+    cv = min((prompt_sd or 0.0) / mean, MAX_PROMPT_CV) if mean > 0 else 0.0
+    s = math.sqrt(math.log1p(cv * cv))
+    mu = math.log(mean) - 0.5 * s * s if mean > 0 else 0.0
+    # Scalars first: a fresh workload that never chunks pays a few float operations.
+    reach = 0.5 * math.erfc((math.log(narrowest) - mu) / (s * math.sqrt(2.0))) if s > 0 else float(mean > narrowest)
+    if max(x for _, x in nodes) <= narrowest and reach < CHUNKED_SHARE_FLOOR:
+        return None
     running = _CHAIN_N[:top]
     decode = terms.step_tokens * running
     room = np.maximum(budget - decode, MIN_ROOM_TOKENS)
-    widest = float(room.min())
-    mean = sum(w * x for w, x in nodes)
-    cv = min((prompt_sd or 0.0) / mean, MAX_PROMPT_CV) if mean > 0 else 0.0
-    if cv > 0.0:
-        s = math.sqrt(math.log1p(cv * cv))
-        mu = math.log(mean) - 0.5 * s * s
+    if s > 0:
         longest = math.exp(mu + 8.0 * s)  # Pr(P > it) < 1e-15
 
         def survival(x: np.ndarray) -> np.ndarray:
-            z = (np.log(np.maximum(x, 1e-300)) - mu) / (s * math.sqrt(2.0))
-            return 0.5 * _ERFC(z).astype(float)
+            return 0.5 * _ERFC((np.log(x) - mu) / (s * math.sqrt(2.0))).astype(float)
     else:
         longest = mean
 
         def survival(x: np.ndarray) -> np.ndarray:
             return (mean > x).astype(float)
 
-    if max(x for _, x in nodes) <= widest and float(survival(np.array([widest]))[0]) < CHUNKED_SHARE_FLOOR:
-        return None
     extra_steps = np.zeros(top)
-    for j in range(1, min(math.ceil(longest / widest), MAX_CHUNKS) + 1):
+    for j in range(1, min(math.ceil(longest / narrowest), MAX_CHUNKS) + 1):
         extra_steps += survival(j * room)
     priced = terms.priced
 
@@ -893,6 +894,9 @@ def chunking_excess(
         for w, x in nodes:
             full = np.floor(x / room)
             per_prompt += w * (full * whole_room + g(x - full * room) - g(np.full(top, x)))
+        # Never cheaper than the one pass: a fit whose knee makes big passes dearer per token
+        # would otherwise have the chain outrun the fluid fixed point it rides on.
+        np.maximum(per_prompt, 0.0, out=per_prompt)
     return per_prompt, extra_steps
 
 
