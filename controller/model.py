@@ -829,6 +829,7 @@ CHUNKED_SHARE_FLOOR = 1e-4
 # kept this wide and the chunks counted this far, so such states stay finite and cheap.
 MIN_ROOM_TOKENS = 16.0
 MAX_CHUNKS = 32
+CHUNKING_STRIDE = 8
 
 
 def chunking_excess(
@@ -866,41 +867,62 @@ def chunking_excess(
     reach = 0.5 * math.erfc((math.log(narrowest) - mu) / (s * math.sqrt(2.0))) if s > 0 else float(mean > narrowest)
     if max(x for _, x in nodes) <= narrowest and reach < CHUNKED_SHARE_FLOOR:
         return None
-    running = _CHAIN_N[:top]
-    decode = terms.step_tokens * running
-    room = np.maximum(budget - decode, MIN_ROOM_TOKENS)
+    running, decode, room = _chunking_grid(terms.step_tokens, budget, top)
+    width = running.size
     if s > 0:
-        longest = math.exp(mu + 8.0 * s)  # Pr(P > it) < 1e-15
+        longest = math.exp(mu + 6.0 * s)  # Pr(P > it) < 1e-9
 
         def survival(x: np.ndarray) -> np.ndarray:
-            return 0.5 * _ERFC((np.log(x) - mu) / (s * math.sqrt(2.0))).astype(float)
+            return 0.5 * _erfc((np.log(x) - mu) / (s * math.sqrt(2.0)))
     else:
         longest = mean
 
         def survival(x: np.ndarray) -> np.ndarray:
             return (mean > x).astype(float)
 
-    extra_steps = np.zeros(top)
-    for j in range(1, min(math.ceil(longest / narrowest), MAX_CHUNKS) + 1):
-        extra_steps += survival(j * room)
-    priced = terms.priced
-
-    def g(chunk: np.ndarray) -> np.ndarray:
-        return sum((c(decode + chunk) - c(decode) for c in priced), np.zeros(top))
-
-    per_prompt = np.zeros(top)
-    if priced:
-        whole_room = g(room)
-        for w, x in nodes:
-            full = np.floor(x / room)
-            per_prompt += w * (full * whole_room + g(x - full * room) - g(np.full(top, x)))
+    chunks = np.arange(1.0, min(math.ceil(longest / narrowest), MAX_CHUNKS) + 1.0)
+    extra_steps = survival(chunks[:, None] * room).sum(axis=0)
+    per_prompt = np.zeros(width)
+    if terms.priced:
+        # g(c) = f(k·(B + 1) + c) − f(k·(B + 1)) with f the token part of the priced passes (the
+        # intercepts, context and sequence terms cancel): every chunk of every node in one array.
+        n = len(nodes)
+        prompts = np.array([x for _, x in nodes])[:, None]
+        full = np.floor(prompts / room)
+        chunk = np.vstack([room[None, :], prompts - full * room, np.broadcast_to(prompts, (n, width))])
+        tokens = decode + chunk
+        f = sum(c.slope_s_per_token for c in terms.priced) * chunk
+        for c in terms.priced:
+            for knee, delta in zip(c.knees_tokens, c.knee_slope_deltas, strict=True):
+                f += delta * (np.maximum(tokens - knee, 0.0) - np.maximum(decode - knee, 0.0))
+        weights = np.array([w for w, _ in nodes])[:, None]
+        per_prompt = (weights * (full * f[0] + f[1 : 1 + n] - f[1 + n :])).sum(axis=0)
         # Never cheaper than the one pass: a fit whose knee makes big passes dearer per token
         # would otherwise have the chain outrun the fluid fixed point it rides on.
         np.maximum(per_prompt, 0.0, out=per_prompt)
-    return per_prompt, extra_steps
+    states = _CHAIN_N[:top]
+    return np.interp(states, running, per_prompt), np.interp(states, running, extra_steps)
 
 
-_ERFC = np.frompyfunc(math.erfc, 1, 1)
+@functools.lru_cache(maxsize=64)
+def _chunking_grid(step_tokens: float, budget: float, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(running sequences, their decode tokens, the room they leave) at every
+    CHUNKING_STRIDE-th state and the last: both terms move with the room, a few tokens a state
+    (a fixed prompt's whole steps blur over a stride), and are interpolated between."""
+    running = _CHAIN_N[:top:CHUNKING_STRIDE]
+    if running[-1] != top:
+        running = np.append(running, float(top))
+    decode = step_tokens * running
+    return running, decode, np.maximum(budget - decode, MIN_ROOM_TOKENS)
+
+
+def _erfc(z: np.ndarray) -> np.ndarray:
+    """The complementary error function to 1.5e-7 (Abramowitz & Stegun 7.1.26), on arrays."""
+    a = np.abs(z)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    y = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    y *= np.exp(-a * a)
+    return np.where(z >= 0.0, y, 2.0 - y)
 
 
 def _sharing_hinges(
