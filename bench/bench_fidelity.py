@@ -11,6 +11,7 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
     python bench/bench_fidelity.py [--quick] [--out DIR] [--truth h100|a100-coarse] [--rates 1,2,4]
     python bench/bench_fidelity.py --revalidate bench/results/fidelity-h100   # same runs, this code's model
     python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
+    python bench/bench_fidelity.py --truth a100-coarse --max-num-batched-tokens 2048   # vLLM's A100 default
 
 ``--truth a100-coarse`` is a second truth held out from the model's development (gpu.py's
 A100_COARSE: another GPU, 128-token GEMM tiles, a slower host); its load tests default to the
@@ -65,6 +66,13 @@ def main() -> None:
         " so others ask how the calibration carries to a draft length it never measured",
     )
     ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the truth's step token budget instead of its own (e.g. 2048, vLLM's API-server default on A100s);"
+        " the bench and the calibration are told it, as a user would",
+    )
+    ap.add_argument(
         "--revalidate",
         type=Path,
         default=None,
@@ -83,6 +91,10 @@ def main() -> None:
         _summarize(reports, args.revalidate)
         return
     truth, rates = TRUTHS[args.truth]
+    if args.max_num_batched_tokens is not None:
+        if args.max_num_batched_tokens < 256:
+            ap.error(f"--max-num-batched-tokens: a budget of at least 256 tokens, got {args.max_num_batched_tokens}")
+        truth = dataclasses.replace(truth, max_num_batched_tokens=args.max_num_batched_tokens)
     if args.rates:
         try:
             rates = tuple(float(r) for r in args.rates.split(","))

@@ -627,8 +627,8 @@ class ModeCurve:
         limit = self.stability_limit_rps
         if rate_rps >= limit * (1.0 - 1e-12):
             return math.inf
-        if rate_rps <= 0.0:
-            return self.segments[0][2]  # no load: no wait
+        if rate_rps <= 0.0:  # no load: a request alone, the chain's first state (its tread, its chunks)
+            return math.exp(-float(self.cum_log_rates[1]))
         return mean_time_in_system(rate_rps, self.cum_log_rates, limit)
 
     def latencies_s(self, rates_rps: Sequence[float]) -> list[float]:
@@ -637,7 +637,7 @@ class ModeCurve:
         limit = self.stability_limit_rps
         live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
         t = mean_time_in_system_many(np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit)
-        out = np.where(live, t, np.where(rates > 0.0, math.inf, self.segments[0][2]))
+        out = np.where(live, t, np.where(rates > 0.0, math.inf, math.exp(-float(self.cum_log_rates[1]))))
         return out.tolist()
 
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:

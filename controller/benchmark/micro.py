@@ -162,6 +162,20 @@ def decode_window(results: Sequence[ProbeResult], steps: float) -> DecodeRun:
     return DecodeRun(step, steps, first, last_start, window, mean_duration)
 
 
+def decode_gen_tokens(gen_tokens: int, batch: int, prompt_tokens: int, tokens_per_seq: int, budget: int | None) -> int:
+    """Tokens each decoder generates so that the whole batch decodes together for ``gen_tokens``.
+
+    On a step budget the batch's prompts are prefilled over ⌈B·P/budget⌉ steps, and the first
+    decoders run ahead meanwhile, up to γ + 1 tokens a step: with 2048 tokens, 100 decoders of
+    2048-token prompts take 100 steps to start, and 256 tokens at γ = 4 end the first before the
+    last begins, so no step is all-decode and the run times prefills. The batch's mean context
+    over the all-decode window is still P + N/2 of the tokens generated.
+    """
+    if budget is None or batch * prompt_tokens <= budget:
+        return gen_tokens
+    return gen_tokens + tokens_per_seq * (math.ceil(batch * prompt_tokens / budget) - 1)
+
+
 def decode_run(server: BenchServer, batch: int, prompt_tokens: int, gen_tokens: int, gamma: int) -> DecodeRun:
     before = accepted_now(server) if gamma > 0 else 0.0
     results = probe_checked(server, decoders(batch, prompt_tokens, gen_tokens))
@@ -331,6 +345,7 @@ def _mixed_step_with_retries(
     plan: MicroPlan,
     chunk: int,
     pilot: DecodeRun,
+    pilot_gen_tokens: int,
     single: ProbeResult,
     layout: MixedLayout,
     gamma: int,
@@ -348,7 +363,7 @@ def _mixed_step_with_retries(
             return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, gamma, warn), layout
         except InjectionOutsideWindow:
             margin = MIXED_RETRY_MARGIN**retry
-            layout = mixed_layout(pilot, plan.gen_tokens, single.done_s - single.sent_s, plan, margin)
+            layout = mixed_layout(pilot, pilot_gen_tokens, single.done_s - single.sent_s, plan, margin)
             if (why := kv_shortfall(server.info(), batch, plan.prompt_tokens, chunk, layout)) is not None:
                 raise MixedOutgrowsCache(why) from None
     return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, gamma, warn), layout
@@ -369,10 +384,12 @@ def run_micro(
         raise ProbeError("phase verify needs a server with SD (draft_length > 0)")
     decode_phase = next((p for p in plan.phases if p in ("target", "verify")), None)
     tokens_per_seq = gamma + 1
-    context_len = plan.prompt_tokens + plan.gen_tokens // 2
+    budget = info.max_num_batched_tokens
     rows: list[BenchRow] = []
     for batch in plan.batch_sizes:
         pilot: DecodeRun | None = None
+        gen = decode_gen_tokens(plan.gen_tokens, batch, plan.prompt_tokens, tokens_per_seq, budget)
+        context_len = plan.prompt_tokens + gen // 2
         for it in range(plan.warmup + plan.iterations):
             recorded = it - plan.warmup
             if "prefill" in plan.phases:
@@ -380,17 +397,18 @@ def run_micro(
                 if recorded >= 0:
                     rows.append(BenchRow("prefill", batch, plan.prompt_tokens, plan.prompt_tokens, recorded, t, gamma))
             if decode_phase is not None:
-                pilot = decode_run(server, batch, plan.prompt_tokens, plan.gen_tokens, gamma)
+                pilot = decode_run(server, batch, plan.prompt_tokens, gen, gamma)
                 if recorded >= 0:
                     rows.append(
                         BenchRow(decode_phase, batch, tokens_per_seq, context_len, recorded, pilot.step_s, gamma)
                     )
         if decode_phase is not None:
             for extra_p in plan.context_prompt_tokens:
+                extra_gen = decode_gen_tokens(plan.gen_tokens, batch, extra_p, tokens_per_seq, budget)
                 for it in range(plan.warmup + plan.iterations):
-                    run = decode_run(server, batch, extra_p, plan.gen_tokens, gamma)
+                    run = decode_run(server, batch, extra_p, extra_gen, gamma)
                     if it >= plan.warmup:
-                        ctx = extra_p + plan.gen_tokens // 2
+                        ctx = extra_p + extra_gen // 2
                         rows.append(
                             BenchRow(decode_phase, batch, tokens_per_seq, ctx, it - plan.warmup, run.step_s, gamma)
                         )
@@ -401,10 +419,10 @@ def run_micro(
             )
         if "mixed" in plan.phases and not full:
             if pilot is None:
-                pilot = decode_run(server, batch, plan.prompt_tokens, plan.gen_tokens, gamma)
+                pilot = decode_run(server, batch, plan.prompt_tokens, gen, gamma)
             for chunk in chunks_beside(plan.chunk_tokens, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
                 single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
-                layout = mixed_layout(pilot, plan.gen_tokens, single.done_s - single.sent_s, plan)
+                layout = mixed_layout(pilot, gen, single.done_s - single.sent_s, plan)
                 if (why := kv_shortfall(info, batch, plan.prompt_tokens, chunk, layout)) is not None:
                     if warn is not None:
                         warn(why)
@@ -413,7 +431,7 @@ def run_micro(
                     # A layout that needed longer decoders keeps them for the next iterations.
                     try:
                         t, layout = _mixed_step_with_retries(
-                            server, batch, plan, chunk, pilot, single, layout, gamma, warn
+                            server, batch, plan, chunk, pilot, gen, single, layout, gamma, warn
                         )
                     except MixedOutgrowsCache as exc:  # the iterations already timed stay
                         if warn is not None:
