@@ -8,8 +8,11 @@ was *before* the curve build was rewritten for speed (commit 9e34608 on main):
 Rewrite it only for a deliberate change of the model's results (and say so in the commit). The
 truth calibration's three cases were last rewritten when that file was re-measured (stop 29: the
 draft fitted with each row weighted by the target's error on it; the model did not change, the
-other 36 cases are as they were). The model's results were last rewritten when the wait for the
-step in flight came to count prompts bunching in steps (stop 32: a step's prompts are the
+other 36 cases are as they were). The model's results were last rewritten when prompts longer
+than the step budget leaves beside the batch came to be priced as chunks over several steps
+(stop 34: ``model.chunking_excess``; 11 cases whose prompt lengths reach past the room, by up
+to 1.2e-4), and a request alone at zero load became the chain's first state; before that, when
+the wait for the step in flight came to count prompts bunching in steps (stop 32: a step's prompts are the
 arrivals of the step before, so long steps breed long steps; ``model.bunched_wait_excess``);
 before that, when prompts arriving during one step came to share the next (the chain's states price each prompt at the Poisson
 mean of a shared step's cost; the limit and the drain rise with them); before that, when an arrival's wait for the step in flight became length-weighted
