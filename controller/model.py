@@ -678,7 +678,14 @@ class ModeCurve:
 
 
 def _kv_thrash_rps(
-    lines, ends, steps: float, chain: np.ndarray, bound: float, prompt_tokens: float, gen_tokens: float
+    lines,
+    ends,
+    steps: float,
+    chain: np.ndarray,
+    bound: float,
+    prompt_tokens: float,
+    gen_tokens: float,
+    chunked_s: float = 0.0,
 ) -> float:
     """The rate a batch that fills the KV cache finishes at: prompts are recomputed.
 
@@ -693,27 +700,32 @@ def _kv_thrash_rps(
     recompute measured was 0.29–0.49 of the prompt tokens once the cache was full.
 
     The full batch's step is τ(B)·steps + B·Δ(B) per request (T at the bound), of which the
-    prompts are B·Δ(B); their share grows by r and the rate falls by as much.
+    prompts are B·Δ(B) (and ``chunked_s`` more each where the budget cuts them:
+    :func:`chunking_excess`); their share grows by r and the rate falls by as much.
     """
     p, g = max(prompt_tokens, 1e-9), max(gen_tokens, 1e-9)
     r = min(1.0, g / p * -math.expm1(-p / g))
     s0, s1, d0, d1 = lines[bisect.bisect_left(ends, bound)]
-    decode, prompts = steps * (s0 + s1 * bound), bound * (d0 + d1 * bound)
+    decode, prompts = steps * (s0 + s1 * bound), bound * (d0 + d1 * bound + chunked_s)
     full = math.exp(chain[-1] - chain[-2])  # the top state's rate
     return full * (decode + prompts) / (decode + prompts * (1.0 + r)) if decode + prompts > 0 else full
 
 
-def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float) -> float:
+def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float, chunked_s: np.ndarray | None = None) -> float:
     """Highest rate at which prompts still fit the per-step token budget (bisection).
 
     Per step the batch needs k·B tokens and arriving prompts λ·τ·P more, τ the mean step with
-    prompts in it: τ = τ_d/(1 − λΔ). Both grow with λ, so the excess crosses zero once.
+    prompts in it: τ = τ_d/(1 − λΔ), Δ with what the budget's chunks add (``chunked_s``, per
+    state of the chain: :func:`chunking_excess`). Both grow with λ, so the excess crosses zero
+    once.
     """
 
     def excess(lam: float) -> float:
         b = curve.batch(lam)
         tau_d, _s1, delta, _d1 = curve.lines[bisect.bisect_left(curve.ends, b)]
         tau_d, delta = tau_d + _s1 * b, delta + _d1 * b
+        if chunked_s is not None:  # state index B: B others
+            delta += float(np.interp(b, _OTHERS[: chunked_s.size], chunked_s))
         denom = 1.0 - lam * delta
         if denom <= 0.0:
             return math.inf
@@ -781,14 +793,14 @@ def mode_curve(
     limit, thrash, fill = peak_h * gained, math.inf, math.nan
     reason = "throughput_peak" if peak_b < bound * (1.0 - 1e-9) else "kv_cache" if kv_bound else "max_num_seqs"
     if kv_bound and p > 0:
-        thrash = _kv_thrash_rps(lines, ends, steps, chain, bound, mean_p, g)
+        thrash = _kv_thrash_rps(lines, ends, steps, chain, bound, mean_p, g, 0.0 if chunks is None else chunks[0][-1])
         if thrash < limit:
             limit, fill, peak_b, reason = thrash, limit, bound, "kv_recompute"
     curve = ModeCurve(
         segments, bound, peak_b, limit, lines, ends, reach, steps, k, waits, chain, gained, thrash, reason, fill, q
     )
     if model.max_num_batched_tokens is not None and p > 0:
-        limit = _budget_limit(curve, float(model.max_num_batched_tokens), p)
+        limit = _budget_limit(curve, float(model.max_num_batched_tokens), p, None if chunks is None else chunks[0])
         if limit < curve.stability_limit_rps:
             curve = replace(
                 curve,

@@ -12,7 +12,8 @@ other 36 cases are as they were). The model's results were last rewritten when p
 than the step budget leaves beside the batch came to be priced as chunks over several steps
 (stop 34: ``model.chunking_excess``; 11 of the 39 cases move: on 8192-token budgets by up to
 1.1 %, where 2000-token prompts spread by 1500 reach past the room; on the 2048-token budget's
-three cases most, up to 2.3× at points near a limit that the chunks lower), and a request alone
+three cases most, up to 2.3× at points near a limit that the chunks lower; two of them again
+when the token-budget and KV-thrash limits came to price the chunks too), and a request alone
 at zero load became the chain's first state; before that, when
 the wait for the step in flight came to count prompts bunching in steps (stop 32: a step's prompts are the
 arrivals of the step before, so long steps breed long steps; ``model.bunched_wait_excess``);
