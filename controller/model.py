@@ -793,7 +793,9 @@ def mode_curve(
     limit, thrash, fill = peak_h * gained, math.inf, math.nan
     reason = "throughput_peak" if peak_b < bound * (1.0 - 1e-9) else "kv_cache" if kv_bound else "max_num_seqs"
     if kv_bound and p > 0:
-        thrash = _kv_thrash_rps(lines, ends, steps, chain, bound, mean_p, g, 0.0 if chunks is None else chunks[0][-1])
+        thrash = _kv_thrash_rps(
+            lines, ends, steps, chain, bound, mean_p, g, 0.0 if chunks is None else float(chunks[0][-1])
+        )
         if thrash < limit:
             limit, fill, peak_b, reason = thrash, limit, bound, "kv_recompute"
     curve = ModeCurve(

@@ -88,3 +88,18 @@ def test_the_model_slows_with_a_smaller_budget_as_the_truth_does(draft_length):
     model_slows = change[2048][1] / change[8192][1] - 1.0
     assert truth_slows > 0.03  # the cut is real: 4–7 % here
     assert model_slows == pytest.approx(truth_slows, abs=0.3 * truth_slows)
+
+
+def test_limits_stay_python_floats_where_chunks_price_them():
+    # The KV-thrash and token-budget limits read the chunks' numpy per-state costs; a numpy
+    # scalar leaking into the limits made `validate --json` fail on its comparisons (np.bool_).
+    import json
+
+    from controller.model import mode_curve
+
+    model = dataclasses.replace(KNEED, kv_cache_tokens_off=100_000)
+    curve = mode_curve(model, Workload(4000.0, 200.0, 150.0, 1600.0), False, 1.0, 0.0)
+    assert curve.limit_reason in ("kv_recompute", "token_budget")
+    for value in (curve.stability_limit_rps, curve.cache_fill_limit_rps, curve.peak_batch):
+        assert type(value) is float, (value, type(value))
+    json.dumps({"metastable": curve.stability_limit_rps < 1.0 < curve.cache_fill_limit_rps})
