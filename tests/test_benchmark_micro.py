@@ -227,3 +227,39 @@ def test_decoders_on_a_small_budget_outlast_their_staggered_prefill():
         spec, np.full(b, 5), np.full(b, int(row.context_len)), np.full(b, 5), True, np.ones(b, bool)
     )
     assert row.latency_s == pytest.approx(truth, rel=0.03)
+
+
+def test_without_the_budget_the_bench_reads_the_stagger_off_the_trace_and_runs_again():
+    # vLLM's /metrics does not show the budget: the same 64 decoders on the same 2048-token
+    # budget, the bench told nothing. The first run's trace shows the first decoders streaming
+    # most of their tokens before the last one starts; the run is repeated that much longer.
+    import dataclasses
+
+    import numpy as np
+
+    from controller.sim import fidelity, stepsim
+    from controller.sim.simserver import SimulatedServer
+
+    class BudgetUnknown(SimulatedServer):
+        runs = 0
+
+        def info(self):
+            return dataclasses.replace(super().info(), max_num_batched_tokens=None)
+
+        def probe(self, requests):
+            self.runs += 1
+            return super().probe(requests)
+
+    spec = dataclasses.replace(fidelity.TruthServer(max_num_batched_tokens=2048).spec(4), noise_sigma=0.0)
+    server = BudgetUnknown(spec, seed=1)
+    rows = micro.run_micro(
+        server, plan(phases=("verify",), batch_sizes=(64,), prompt_tokens=2048, gen_tokens=64, iterations=2)
+    )
+    assert 3 <= server.runs <= 2 + micro.DECODE_RERUNS  # the first iteration ran again, the second did not
+    for row in by_phase(rows, "verify"):
+        assert row.context_len > 2048 + 64  # the decoders generated more than twice the 64 asked
+        b = row.batch_size
+        truth = stepsim.step_time_s(
+            spec, np.full(b, 5), np.full(b, int(row.context_len)), np.full(b, 5), True, np.ones(b, bool)
+        )
+        assert row.latency_s == pytest.approx(truth, rel=0.03)

@@ -46,6 +46,10 @@ CROSS_CHECK_TOLERANCE = 0.25  # relative gap between the two mixed-step estimate
 # N₂ over what the mean acceptance needs, for a mixed run whose injection outlasted a decoder.
 MIXED_RETRY_MARGIN = 1.3
 MIXED_RETRIES = 2
+# A decode run is read where every decoder decodes together for at least this share of a
+# decoder's time; one that is not (a staggered prefill) is run again longer, this many times.
+ALL_DECODE_SHARE = 0.25
+DECODE_RERUNS = 3
 
 Warn = Callable[[str], None]
 
@@ -76,6 +80,9 @@ class DecodeRun:
     done_min_s: float
     window_s: float  # last done − last first token
     mean_duration_s: float  # mean over sequences of done − first token
+    # Steps the first decoders streamed before the last one's first token (the batch's staggered
+    # prefill, read off the chunk trace; 0 without one).
+    lead_steps: int = 0
 
 
 def check_sd_config(server: BenchServer) -> ServerInfo:
@@ -159,7 +166,8 @@ def decode_window(results: Sequence[ProbeResult], steps: float) -> DecodeRun:
     step = traced_step_s(results, first, last_start)
     if step is None:
         step = mean_duration / steps
-    return DecodeRun(step, steps, first, last_start, window, mean_duration)
+    lead = max(sum(1 for t in r.token_times_s if t < first - 1e-9) for r in results)
+    return DecodeRun(step, steps, first, last_start, window, mean_duration, lead)
 
 
 def decode_gen_tokens(gen_tokens: int, batch: int, prompt_tokens: int, tokens_per_seq: int, budget: int | None) -> int:
@@ -174,6 +182,29 @@ def decode_gen_tokens(gen_tokens: int, batch: int, prompt_tokens: int, tokens_pe
     if budget is None or batch * prompt_tokens <= budget:
         return gen_tokens
     return gen_tokens + tokens_per_seq * (math.ceil(batch * prompt_tokens / budget) - 1)
+
+
+def decode_together(
+    server: BenchServer, batch: int, prompt_tokens: int, gen_tokens: int, gamma: int, budget: int | None
+) -> tuple[DecodeRun, int]:
+    """A decode run whose decoders all decode together for most of ``gen_tokens``, and the
+    tokens each generated.
+
+    With the server's budget known ``gen_tokens`` was sized up front (:func:`decode_gen_tokens`).
+    Without it (vLLM's /metrics does not show it) the run is read: where every decoder decoded
+    together for less than a quarter of a decoder's time, it is run again longer by the steps
+    the first ones streamed before the last one's first token, (γ + 1) tokens each, at most
+    ``DECODE_RERUNS`` times (pass the tokens returned to the next run).
+    """
+    gen = gen_tokens
+    run = decode_run(server, batch, prompt_tokens, gen, gamma)
+    for _ in range(DECODE_RERUNS if budget is None else 0):
+        together = run.done_min_s - run.first_token_max_s
+        if run.lead_steps == 0 or together >= ALL_DECODE_SHARE * run.mean_duration_s:
+            break
+        gen += (gamma + 1) * run.lead_steps
+        run = decode_run(server, batch, prompt_tokens, gen, gamma)
+    return run, gen
 
 
 def decode_run(server: BenchServer, batch: int, prompt_tokens: int, gen_tokens: int, gamma: int) -> DecodeRun:
@@ -389,7 +420,6 @@ def run_micro(
     for batch in plan.batch_sizes:
         pilot: DecodeRun | None = None
         gen = decode_gen_tokens(plan.gen_tokens, batch, plan.prompt_tokens, tokens_per_seq, budget)
-        context_len = plan.prompt_tokens + gen // 2
         for it in range(plan.warmup + plan.iterations):
             recorded = it - plan.warmup
             if "prefill" in plan.phases:
@@ -397,8 +427,9 @@ def run_micro(
                 if recorded >= 0:
                     rows.append(BenchRow("prefill", batch, plan.prompt_tokens, plan.prompt_tokens, recorded, t, gamma))
             if decode_phase is not None:
-                pilot = decode_run(server, batch, plan.prompt_tokens, gen, gamma)
+                pilot, gen = decode_together(server, batch, plan.prompt_tokens, gen, gamma, budget)
                 if recorded >= 0:
+                    context_len = plan.prompt_tokens + gen // 2
                     rows.append(
                         BenchRow(decode_phase, batch, tokens_per_seq, context_len, recorded, pilot.step_s, gamma)
                     )
@@ -406,7 +437,7 @@ def run_micro(
             for extra_p in plan.context_prompt_tokens:
                 extra_gen = decode_gen_tokens(plan.gen_tokens, batch, extra_p, tokens_per_seq, budget)
                 for it in range(plan.warmup + plan.iterations):
-                    run = decode_run(server, batch, extra_p, extra_gen, gamma)
+                    run, extra_gen = decode_together(server, batch, extra_p, extra_gen, gamma, budget)
                     if it >= plan.warmup:
                         ctx = extra_p + extra_gen // 2
                         rows.append(
@@ -419,7 +450,7 @@ def run_micro(
             )
         if "mixed" in plan.phases and not full:
             if pilot is None:
-                pilot = decode_run(server, batch, plan.prompt_tokens, gen, gamma)
+                pilot, gen = decode_together(server, batch, plan.prompt_tokens, gen, gamma, budget)
             for chunk in chunks_beside(plan.chunk_tokens, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
                 single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
                 layout = mixed_layout(pilot, gen, single.done_s - single.sent_s, plan)
