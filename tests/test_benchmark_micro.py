@@ -204,8 +204,8 @@ def test_kv_shortfall(cap, block, gamma, fits):
 def test_decoders_on_a_small_budget_outlast_their_staggered_prefill():
     # The simulated H100 with a 2048-token budget: 64 decoders of 2048-token prompts start one
     # step apart, and at γ = 4 the first would finish 64 tokens before the last began: no step
-    # would be all-decode. The bench lengthens them by (γ + 1)·63 tokens and times the verify
-    # step of 64 sequences at their mean context.
+    # would be all-decode. The trace shows it; the bench runs them again longer and times the
+    # verify step of 64 sequences at their mean context.
     import dataclasses
 
     import numpy as np
@@ -214,14 +214,12 @@ def test_decoders_on_a_small_budget_outlast_their_staggered_prefill():
     from controller.sim.simserver import SimulatedServer
 
     spec = dataclasses.replace(fidelity.TruthServer(max_num_batched_tokens=2048).spec(4), noise_sigma=0.0)
-    assert micro.decode_gen_tokens(64, 64, 2048, 5, 2048) == 64 + 5 * 63
-    assert micro.decode_gen_tokens(64, 64, 2048, 5, None) == 64  # the budget unknown: as planned
     rows = micro.run_micro(
         SimulatedServer(spec, seed=1),
         plan(phases=("verify",), batch_sizes=(64,), prompt_tokens=2048, gen_tokens=64, iterations=1),
     )
     (row,) = by_phase(rows, "verify")
-    assert row.context_len == 2048 + (64 + 5 * 63) // 2
+    assert row.context_len > 2048 + 64  # the decoders generated more than twice the 64 asked
     b = row.batch_size
     truth = stepsim.step_time_s(
         spec, np.full(b, 5), np.full(b, int(row.context_len)), np.full(b, 5), True, np.ones(b, bool)
@@ -255,7 +253,7 @@ def test_without_the_budget_the_bench_reads_the_stagger_off_the_trace_and_runs_a
     rows = micro.run_micro(
         server, plan(phases=("verify",), batch_sizes=(64,), prompt_tokens=2048, gen_tokens=64, iterations=2)
     )
-    assert 3 <= server.runs <= 2 + micro.DECODE_RERUNS  # the first iteration ran again, the second did not
+    assert 3 <= server.runs <= 5  # the first iteration ran again (at most 3 times), the second did not
     for row in by_phase(rows, "verify"):
         assert row.context_len > 2048 + 64  # the decoders generated more than twice the 64 asked
         b = row.batch_size

@@ -23,9 +23,9 @@ never anything a real server would not show. Rows (``csvio.BenchRow``), per batc
   waits ≈ τ/2 for the running step, then takes the mixed step.
   Error sources: run-to-run drift of τ (the extra is a difference of two long windows, so
   noise in τ is multiplied by the step count: use several iterations and the median); a chunk
-  larger than the server's token budget (max_num_batched_tokens − B·tokens_per_seq) is split
-  over steps, and the row then holds the whole C-token prefill cost, not one step; acceptance
-  differs between runs A and B (corrected by the counter delta of run B).
+  larger than the room the token budget leaves (max_num_batched_tokens − B·tokens_per_seq)
+  would span steps, so it is measured at that room (``chunks_beside``; the budget must be
+  known); acceptance differs between runs A and B (corrected by the counter delta of run B).
 * ``kv_cache`` (one row per server, when ``info()`` knows it): context_len = KV capacity in
   tokens, batch_size = tokens_per_seq = 1, latency_s = 0.
 """
@@ -46,10 +46,6 @@ CROSS_CHECK_TOLERANCE = 0.25  # relative gap between the two mixed-step estimate
 # N₂ over what the mean acceptance needs, for a mixed run whose injection outlasted a decoder.
 MIXED_RETRY_MARGIN = 1.3
 MIXED_RETRIES = 2
-# A decode run is read where every decoder decodes together for at least this share of a
-# decoder's time; one that is not (a staggered prefill) is run again longer, this many times.
-ALL_DECODE_SHARE = 0.25
-DECODE_RERUNS = 3
 
 Warn = Callable[[str], None]
 
@@ -68,6 +64,9 @@ class MicroPlan:
     # Further prompt lengths at which the decode phase is repeated: with one context only, the
     # KV read per token cannot be told from the per-sequence cost (both grow with B).
     context_prompt_tokens: tuple[int, ...] = ()
+    # Run a decode run again longer when no step had every decoder decoding (decode_together).
+    # Off only to reproduce a bench from before it (the shipped truth calibration).
+    rerun_staggered: bool = True
 
 
 @dataclass(frozen=True)
@@ -170,37 +169,25 @@ def decode_window(results: Sequence[ProbeResult], steps: float) -> DecodeRun:
     return DecodeRun(step, steps, first, last_start, window, mean_duration, lead)
 
 
-def decode_gen_tokens(gen_tokens: int, batch: int, prompt_tokens: int, tokens_per_seq: int, budget: int | None) -> int:
-    """Tokens each decoder generates so that the whole batch decodes together for ``gen_tokens``.
-
-    On a step budget the batch's prompts are prefilled over ⌈B·P/budget⌉ steps, and the first
-    decoders run ahead meanwhile, up to γ + 1 tokens a step: with 2048 tokens, 100 decoders of
-    2048-token prompts take 100 steps to start, and 256 tokens at γ = 4 end the first before the
-    last begins, so no step is all-decode and the run times prefills. The batch's mean context
-    over the all-decode window is still P + N/2 of the tokens generated.
-    """
-    if budget is None or batch * prompt_tokens <= budget:
-        return gen_tokens
-    return gen_tokens + tokens_per_seq * (math.ceil(batch * prompt_tokens / budget) - 1)
-
-
 def decode_together(
-    server: BenchServer, batch: int, prompt_tokens: int, gen_tokens: int, gamma: int, budget: int | None
+    server: BenchServer, batch: int, prompt_tokens: int, gen_tokens: int, gamma: int, reruns: int = 3
 ) -> tuple[DecodeRun, int]:
-    """A decode run whose decoders all decode together for most of ``gen_tokens``, and the
-    tokens each generated.
+    """A decode run in which some steps had every decoder decoding, and the tokens each
+    generated (pass them to the next run of the same batch).
 
-    With the server's budget known ``gen_tokens`` was sized up front (:func:`decode_gen_tokens`).
-    Without it (vLLM's /metrics does not show it) the run is read: where every decoder decoded
-    together for less than a quarter of a decoder's time, it is run again longer by the steps
-    the first ones streamed before the last one's first token, (γ + 1) tokens each, at most
-    ``DECODE_RERUNS`` times (pass the tokens returned to the next run).
+    On a step budget the batch's prompts take ⌈B·P/budget⌉ steps to prefill, and the first
+    decoders run ahead meanwhile: with 2048 tokens, 100 decoders of 2048-token prompts take 100
+    steps to start, and 256 tokens at γ = 4 end the first before the last begins, so no step is
+    all-decode and the run times prefills. The chunk trace shows it (and vLLM's /metrics does
+    not show the budget): such a run is repeated longer by the steps the first decoders
+    streamed before the last one's first token, γ + 1 tokens each, at most ``reruns``
+    times. The batch's mean context over the all-decode window is still P + N/2.
     """
     gen = gen_tokens
     run = decode_run(server, batch, prompt_tokens, gen, gamma)
-    for _ in range(DECODE_RERUNS if budget is None else 0):
+    for _ in range(reruns):
         together = run.done_min_s - run.first_token_max_s
-        if run.lead_steps == 0 or together >= ALL_DECODE_SHARE * run.mean_duration_s:
+        if run.lead_steps == 0 or together > 0.0:
             break
         gen += (gamma + 1) * run.lead_steps
         run = decode_run(server, batch, prompt_tokens, gen, gamma)
@@ -415,11 +402,11 @@ def run_micro(
         raise ProbeError("phase verify needs a server with SD (draft_length > 0)")
     decode_phase = next((p for p in plan.phases if p in ("target", "verify")), None)
     tokens_per_seq = gamma + 1
-    budget = info.max_num_batched_tokens
+    reruns = 3 if plan.rerun_staggered else 0
     rows: list[BenchRow] = []
     for batch in plan.batch_sizes:
         pilot: DecodeRun | None = None
-        gen = decode_gen_tokens(plan.gen_tokens, batch, plan.prompt_tokens, tokens_per_seq, budget)
+        gen = plan.gen_tokens
         for it in range(plan.warmup + plan.iterations):
             recorded = it - plan.warmup
             if "prefill" in plan.phases:
@@ -427,7 +414,7 @@ def run_micro(
                 if recorded >= 0:
                     rows.append(BenchRow("prefill", batch, plan.prompt_tokens, plan.prompt_tokens, recorded, t, gamma))
             if decode_phase is not None:
-                pilot, gen = decode_together(server, batch, plan.prompt_tokens, gen, gamma, budget)
+                pilot, gen = decode_together(server, batch, plan.prompt_tokens, gen, gamma, reruns)
                 if recorded >= 0:
                     context_len = plan.prompt_tokens + gen // 2
                     rows.append(
@@ -435,9 +422,9 @@ def run_micro(
                     )
         if decode_phase is not None:
             for extra_p in plan.context_prompt_tokens:
-                extra_gen = decode_gen_tokens(plan.gen_tokens, batch, extra_p, tokens_per_seq, budget)
+                extra_gen = plan.gen_tokens
                 for it in range(plan.warmup + plan.iterations):
-                    run, extra_gen = decode_together(server, batch, extra_p, extra_gen, gamma, budget)
+                    run, extra_gen = decode_together(server, batch, extra_p, extra_gen, gamma, reruns)
                     if it >= plan.warmup:
                         ctx = extra_p + extra_gen // 2
                         rows.append(
@@ -450,7 +437,7 @@ def run_micro(
             )
         if "mixed" in plan.phases and not full:
             if pilot is None:
-                pilot, gen = decode_together(server, batch, plan.prompt_tokens, gen, gamma, budget)
+                pilot, gen = decode_together(server, batch, plan.prompt_tokens, gen, gamma, reruns)
             for chunk in chunks_beside(plan.chunk_tokens, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
                 single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
                 layout = mixed_layout(pilot, gen, single.done_s - single.sent_s, plan)
