@@ -170,7 +170,13 @@ def decode_window(results: Sequence[ProbeResult], steps: float) -> DecodeRun:
 
 
 def decode_together(
-    server: BenchServer, batch: int, prompt_tokens: int, gen_tokens: int, gamma: int, reruns: int = 3
+    server: BenchServer,
+    batch: int,
+    prompt_tokens: int,
+    gen_tokens: int,
+    gamma: int,
+    reruns: int = 3,
+    kv_cache_tokens: int | None = None,
 ) -> tuple[DecodeRun, int]:
     """A decode run in which some steps had every decoder decoding, and the tokens each
     generated (pass them to the next run of the same batch).
@@ -181,7 +187,9 @@ def decode_together(
     all-decode and the run times prefills. The chunk trace shows it (and vLLM's /metrics does
     not show the budget): such a run is repeated longer by the steps the first decoders
     streamed before the last one's first token, γ + 1 tokens each, at most ``reruns``
-    times. The batch's mean context over the all-decode window is still P + N/2.
+    times. The batch's mean context over the all-decode window is still P + N/2. Not where the
+    longer decoders would outgrow ``kv_cache_tokens``: that batch never decodes together (vLLM
+    preempts), and calibrate drops its rows.
     """
     gen = gen_tokens
     run = decode_run(server, batch, prompt_tokens, gen, gamma)
@@ -189,7 +197,10 @@ def decode_together(
         together = run.done_min_s - run.first_token_max_s
         if run.lead_steps == 0 or together > 0.0:
             break
-        gen += (gamma + 1) * run.lead_steps
+        longer = gen + (gamma + 1) * run.lead_steps
+        if kv_cache_tokens is not None and batch * (prompt_tokens + longer + gamma) > kv_cache_tokens:
+            break
+        gen = longer
         run = decode_run(server, batch, prompt_tokens, gen, gamma)
     return run, gen
 
@@ -414,7 +425,9 @@ def run_micro(
                 if recorded >= 0:
                     rows.append(BenchRow("prefill", batch, plan.prompt_tokens, plan.prompt_tokens, recorded, t, gamma))
             if decode_phase is not None:
-                pilot, gen = decode_together(server, batch, plan.prompt_tokens, gen, gamma, reruns)
+                pilot, gen = decode_together(
+                    server, batch, plan.prompt_tokens, gen, gamma, reruns, info.kv_cache_tokens
+                )
                 if recorded >= 0:
                     context_len = plan.prompt_tokens + gen // 2
                     rows.append(
@@ -424,7 +437,9 @@ def run_micro(
             for extra_p in plan.context_prompt_tokens:
                 extra_gen = plan.gen_tokens
                 for it in range(plan.warmup + plan.iterations):
-                    run, extra_gen = decode_together(server, batch, extra_p, extra_gen, gamma, reruns)
+                    run, extra_gen = decode_together(
+                        server, batch, extra_p, extra_gen, gamma, reruns, info.kv_cache_tokens
+                    )
                     if it >= plan.warmup:
                         ctx = extra_p + extra_gen // 2
                         rows.append(
@@ -437,7 +452,9 @@ def run_micro(
             )
         if "mixed" in plan.phases and not full:
             if pilot is None:
-                pilot, gen = decode_together(server, batch, plan.prompt_tokens, gen, gamma, reruns)
+                pilot, gen = decode_together(
+                    server, batch, plan.prompt_tokens, gen, gamma, reruns, info.kv_cache_tokens
+                )
             for chunk in chunks_beside(plan.chunk_tokens, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
                 single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
                 layout = mixed_layout(pilot, gen, single.done_s - single.sent_s, plan)
