@@ -8,7 +8,7 @@ long prompts; 600 s per rate) → CSV → ``validate``. Prints per workload and 
 worst error on the runs that were not saturated, whether every saturated run was predicted
 overloaded, stability limits and break-even rates; asserts nothing. About 15 minutes.
 
-    python bench/bench_fidelity.py [--quick] [--out DIR] [--truth h100|a100-coarse] [--rates 1,2,4]
+    python bench/bench_fidelity.py [--quick] [--out DIR] [--truth h100|a100-coarse|l40s] [--rates 1,2,4]
     python bench/bench_fidelity.py --revalidate bench/results/fidelity-h100   # same runs, this code's model
     python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
     python bench/bench_fidelity.py --truth a100-coarse --max-num-batched-tokens 2048   # vLLM's A100 default

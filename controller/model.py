@@ -627,9 +627,14 @@ class ModeCurve:
         limit = self.stability_limit_rps
         if rate_rps >= limit * (1.0 - 1e-12):
             return math.inf
-        if rate_rps <= 0.0:  # no load: a request alone, the chain's first state (its tread, its chunks)
-            return math.exp(-float(self.cum_log_rates[1]))
+        if rate_rps <= 0.0:
+            return self.alone_s
         return mean_time_in_system(rate_rps, self.cum_log_rates, limit)
+
+    @property
+    def alone_s(self) -> float:
+        """No load: a request alone, the chain's first state (its staircase tread, its chunks)."""
+        return math.exp(-float(self.cum_log_rates[1]))
 
     def latencies_s(self, rates_rps: Sequence[float]) -> list[float]:
         """:meth:`latency_s` at many rates, the chain summed for all of them in one pass."""
@@ -637,7 +642,7 @@ class ModeCurve:
         limit = self.stability_limit_rps
         live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
         t = mean_time_in_system_many(np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit)
-        out = np.where(live, t, np.where(rates > 0.0, math.inf, math.exp(-float(self.cum_log_rates[1]))))
+        out = np.where(live, t, np.where(rates > 0.0, math.inf, self.alone_s))
         return out.tolist()
 
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
@@ -801,8 +806,8 @@ def mode_curve(
     curve = ModeCurve(
         segments, bound, peak_b, limit, lines, ends, reach, steps, k, waits, chain, gained, thrash, reason, fill, q
     )
-    if model.max_num_batched_tokens is not None and p > 0:
-        limit = _budget_limit(curve, float(model.max_num_batched_tokens), p, None if chunks is None else chunks[0])
+    if budget is not None and p > 0:
+        limit = _budget_limit(curve, float(budget), p, None if chunks is None else chunks[0])
         if limit < curve.stability_limit_rps:
             curve = replace(
                 curve,

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from controller.benchmark import micro
 from controller.benchmark.csvio import BenchRow, bench_csv
 from controller.benchmark.probe import ProbeError
+from controller.sim import fidelity, stepsim
+from controller.sim.simserver import SimulatedServer
 from tests.support.fake_bench import Costs, FakeBenchServer
 
 COSTS = Costs()
@@ -201,43 +206,34 @@ def test_kv_shortfall(cap, block, gamma, fits):
     assert (micro.kv_shortfall(info, 8, 64, 128, layout) is None) == fits
 
 
-def test_decoders_on_a_small_budget_outlast_their_staggered_prefill():
-    # The simulated H100 with a 2048-token budget: 64 decoders of 2048-token prompts start one
-    # step apart, and at γ = 4 the first would finish 64 tokens before the last began: no step
-    # would be all-decode. The trace shows it; the bench runs them again longer and times the
-    # verify step of 64 sequences at their mean context.
-    import dataclasses
+# The simulated H100 on a 2048-token budget, γ = 4, without timing noise.
+BUDGET_2048_SD4 = dataclasses.replace(fidelity.TruthServer(max_num_batched_tokens=2048).spec(4), noise_sigma=0.0)
+STAGGERED = dict(phases=("verify",), batch_sizes=(64,), prompt_tokens=2048, gen_tokens=64)
 
-    import numpy as np
 
-    from controller.sim import fidelity, stepsim
-    from controller.sim.simserver import SimulatedServer
-
-    spec = dataclasses.replace(fidelity.TruthServer(max_num_batched_tokens=2048).spec(4), noise_sigma=0.0)
-    rows = micro.run_micro(
-        SimulatedServer(spec, seed=1),
-        plan(phases=("verify",), batch_sizes=(64,), prompt_tokens=2048, gen_tokens=64, iterations=1),
-    )
-    (row,) = by_phase(rows, "verify")
-    assert row.context_len > 2048 + 64  # the decoders generated more than twice the 64 asked
+def assert_times_the_verify_step(row: BenchRow) -> None:
+    """The row is the truth's verify step of its batch at the row's mean context, within 3 %."""
     b = row.batch_size
     truth = stepsim.step_time_s(
-        spec, np.full(b, 5), np.full(b, int(row.context_len)), np.full(b, 5), True, np.ones(b, bool)
+        BUDGET_2048_SD4, np.full(b, 5), np.full(b, int(row.context_len)), np.full(b, 5), True, np.ones(b, bool)
     )
     assert row.latency_s == pytest.approx(truth, rel=0.03)
+
+
+def test_decoders_on_a_small_budget_outlast_their_staggered_prefill():
+    # 64 decoders of 2048-token prompts start one step apart, and at γ = 4 the first would finish
+    # 64 tokens before the last began: no step would be all-decode. The trace shows it; the bench
+    # runs them again longer and times the verify step of 64 sequences at their mean context.
+    rows = micro.run_micro(SimulatedServer(BUDGET_2048_SD4, seed=1), plan(**STAGGERED, iterations=1))
+    (row,) = by_phase(rows, "verify")
+    assert row.context_len > 2048 + 64  # the decoders generated more than twice the 64 asked
+    assert_times_the_verify_step(row)
 
 
 def test_without_the_budget_the_bench_reads_the_stagger_off_the_trace_and_runs_again():
     # vLLM's /metrics does not show the budget: the same 64 decoders on the same 2048-token
     # budget, the bench told nothing. The first run's trace shows the first decoders streaming
     # most of their tokens before the last one starts; the run is repeated that much longer.
-    import dataclasses
-
-    import numpy as np
-
-    from controller.sim import fidelity, stepsim
-    from controller.sim.simserver import SimulatedServer
-
     class BudgetUnknown(SimulatedServer):
         runs = 0
 
@@ -248,16 +244,9 @@ def test_without_the_budget_the_bench_reads_the_stagger_off_the_trace_and_runs_a
             self.runs += 1
             return super().probe(requests)
 
-    spec = dataclasses.replace(fidelity.TruthServer(max_num_batched_tokens=2048).spec(4), noise_sigma=0.0)
-    server = BudgetUnknown(spec, seed=1)
-    rows = micro.run_micro(
-        server, plan(phases=("verify",), batch_sizes=(64,), prompt_tokens=2048, gen_tokens=64, iterations=2)
-    )
+    server = BudgetUnknown(BUDGET_2048_SD4, seed=1)
+    rows = micro.run_micro(server, plan(**STAGGERED, iterations=2))
     assert 3 <= server.runs <= 5  # the first iteration ran again (at most 3 times), the second did not
     for row in by_phase(rows, "verify"):
         assert row.context_len > 2048 + 64  # the decoders generated more than twice the 64 asked
-        b = row.batch_size
-        truth = stepsim.step_time_s(
-            spec, np.full(b, 5), np.full(b, int(row.context_len)), np.full(b, 5), True, np.ones(b, bool)
-        )
-        assert row.latency_s == pytest.approx(truth, rel=0.03)
+        assert_times_the_verify_step(row)

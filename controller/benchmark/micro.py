@@ -46,6 +46,9 @@ CROSS_CHECK_TOLERANCE = 0.25  # relative gap between the two mixed-step estimate
 # N₂ over what the mean acceptance needs, for a mixed run whose injection outlasted a decoder.
 MIXED_RETRY_MARGIN = 1.3
 MIXED_RETRIES = 2
+# A decode run in which no step had every decoder decoding (a staggered prefill) is run again
+# longer at most this many times (decode_together).
+DECODE_RERUNS = 3
 
 Warn = Callable[[str], None]
 
@@ -175,7 +178,7 @@ def decode_together(
     prompt_tokens: int,
     gen_tokens: int,
     gamma: int,
-    reruns: int = 3,
+    reruns: int = DECODE_RERUNS,
     kv_cache_tokens: int | None = None,
 ) -> tuple[DecodeRun, int]:
     """A decode run in which some steps had every decoder decoding, and the tokens each
@@ -377,7 +380,7 @@ def _mixed_step_with_retries(
     pilot_gen_tokens: int,
     single: ProbeResult,
     layout: MixedLayout,
-    gamma: int,
+    info: ServerInfo,
     warn: Warn | None,
 ) -> tuple[float, MixedLayout]:
     """A mixed step and the layout it ran with; when an injection outlasts a decoder, again
@@ -389,13 +392,13 @@ def _mixed_step_with_retries(
     """
     for retry in range(1, MIXED_RETRIES + 1):
         try:
-            return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, gamma, warn), layout
+            return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, info.draft_length, warn), layout
         except InjectionOutsideWindow:
             margin = MIXED_RETRY_MARGIN**retry
             layout = mixed_layout(pilot, pilot_gen_tokens, single.done_s - single.sent_s, plan, margin)
-            if (why := kv_shortfall(server.info(), batch, plan.prompt_tokens, chunk, layout)) is not None:
+            if (why := kv_shortfall(info, batch, plan.prompt_tokens, chunk, layout)) is not None:
                 raise MixedOutgrowsCache(why) from None
-    return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, gamma, warn), layout
+    return mixed_step_s(server, batch, plan.prompt_tokens, chunk, layout, info.draft_length, warn), layout
 
 
 def run_micro(
@@ -413,7 +416,7 @@ def run_micro(
         raise ProbeError("phase verify needs a server with SD (draft_length > 0)")
     decode_phase = next((p for p in plan.phases if p in ("target", "verify")), None)
     tokens_per_seq = gamma + 1
-    reruns = 3 if plan.rerun_staggered else 0
+    reruns = DECODE_RERUNS if plan.rerun_staggered else 0
     rows: list[BenchRow] = []
     for batch in plan.batch_sizes:
         pilot: DecodeRun | None = None
@@ -466,7 +469,7 @@ def run_micro(
                     # A layout that needed longer decoders keeps them for the next iterations.
                     try:
                         t, layout = _mixed_step_with_retries(
-                            server, batch, plan, chunk, pilot, gen, single, layout, gamma, warn
+                            server, batch, plan, chunk, pilot, gen, single, layout, info, warn
                         )
                     except MixedOutgrowsCache as exc:  # the iterations already timed stay
                         if warn is not None:
