@@ -198,6 +198,8 @@ def assess(
         obs.gen_tokens_std,
         obs.prompt_tokens_std,
         running_context_tokens=obs.running_context_tokens,
+        # Unreadable this tick: priced without the cache (every prompt computed), the dearer side.
+        cached_prompt_tokens=obs.cached_prompt_tokens or 0.0,
     )
     rate = obs.arrival_rate_rps
     if settings.price_switches:

@@ -70,6 +70,7 @@ class EvidenceRecord:
     gen_tokens_std: float | None = None
     prompt_tokens_std: float | None = None
     running_context_tokens: float | None = None  # measured KV context per running sequence (None: not measured)
+    cached_prompt_tokens: float = 0.0  # prefix-cache hits per request the prediction used
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_num(v) for k, v in dataclasses.asdict(self).items()}

@@ -104,6 +104,7 @@ PREDICTION_GAUGES = (
     "sd_load_cycling",
     "sd_acceptance_trend_per_hour",
     "sd_running_context_tokens",
+    "sd_cached_prompt_tokens",
 )
 
 
@@ -135,6 +136,10 @@ class Exporter:
         g.define(
             "sd_running_context_tokens",
             "KV tokens per running sequence measured from vLLM's KV usage (absent: from the lengths)",
+        )
+        g.define(
+            "sd_cached_prompt_tokens",
+            "Prompt tokens per request served from vLLM's prefix cache, as the model priced them",
         )
         g.define("sd_arrival_rate_rps", "Observed arrival rate")
         g.define("sd_projected_arrival_rate_rps", "Rate the decision is evaluated at (trend)")
@@ -247,6 +252,7 @@ class Exporter:
             g("sd_running_context_tokens", a.workload.running_context_tokens)
         else:
             self.gauges.clear("sd_running_context_tokens")
+        g("sd_cached_prompt_tokens", a.workload.cached_tokens)
         g("sd_arrival_rate_rps", a.arrival_rate_rps)
         g("sd_projected_arrival_rate_rps", a.projected_rate_rps)
         if a.break_even_rate_rps is not None:

@@ -201,6 +201,7 @@ class Learner:
             gen_tokens_std=a.workload.gen_tokens_std,
             prompt_tokens_std=a.workload.prompt_tokens_std,
             running_context_tokens=a.workload.running_context_tokens,
+            cached_prompt_tokens=a.workload.cached_prompt_tokens,
         )
         self._persist(self.evidence.append, rec)
         if why is None and not self.settings.online_correction:

@@ -237,7 +237,8 @@ def _prompt_nodes(p: float, sd: float | None) -> tuple[tuple[float, float], ...]
 
 @dataclass(frozen=True)
 class Workload:
-    """Request shape: mean prompt tokens P, mean generated tokens G and G's spread."""
+    """Request shape: mean prompt tokens P (C of them from the prefix cache), mean generated
+    tokens G and the spreads."""
 
     prompt_tokens: float
     gen_tokens: float
@@ -246,22 +247,42 @@ class Workload:
     # KV tokens the average running sequence holds, measured from vLLM's gauges
     # (controller.occupancy); None: derived from the length distribution.
     running_context_tokens: float | None = None
+    # Prompt tokens per request served from vLLM's prefix cache (Δvllm:prompt_tokens_cached_total
+    # / Δrequests; on by default in vLLM v1): not computed, but read by what is.
+    cached_prompt_tokens: float = 0.0
+
+    @property
+    def cached_tokens(self) -> float:
+        """The prefix cache's hits per request, within [0, P − 1]: vLLM computes at least the
+        last prompt token (it samples from it), and a bad reading must not cancel the prompt."""
+        c = self.cached_prompt_tokens
+        return min(c, max(float(self.prompt_tokens) - 1.0, 0.0)) if c > 0.0 else 0.0
+
+    @property
+    def computed_prompt_tokens(self) -> float:
+        """Prompt tokens a request's prefill computes: P less its prefix-cache hits."""
+        return float(self.prompt_tokens) - self.cached_tokens
 
     @property
     def prompt_nodes(self) -> tuple[tuple[float, float], ...]:
-        """(weight, prompt tokens) quadrature of the prompt-length distribution.
+        """(weight, computed prompt tokens) quadrature of the prompt-length distribution.
 
         A prompt's marginal step cost is not linear in its length (knees), so the mean cost is
         not the cost of the mean prompt. Lengths are taken as lognormal with the measured mean
-        and spread; three Gauss–Hermite nodes reproduce its first five moments.
+        and spread; three Gauss–Hermite nodes reproduce its first five moments. A cached
+        prefix (a system prompt: the same tokens for every request) shifts the mean, not the
+        spread.
         """
-        return _prompt_nodes(float(self.prompt_tokens), self.prompt_tokens_std)
+        return _prompt_nodes(self.computed_prompt_tokens, self.prompt_tokens_std)
 
     @property
     def prompt_pairs(self) -> float:
-        """Mean query–key pairs of a prompt's own attention: E[P²]/2 (chunking does not change it)."""
+        """Mean query–key pairs of a prompt's own attention: E[P²]/2 (chunking does not change
+        it), less the cached prefix's C²/2: the computed tokens at positions C…P still attend
+        over the whole prefix, (P² − C²)/2, never less than the computed part's own."""
         sd = self.prompt_tokens_std or 0.0
-        return 0.5 * (self.prompt_tokens * self.prompt_tokens + sd * sd)
+        c, x = self.cached_tokens, self.computed_prompt_tokens
+        return max(0.5 * (self.prompt_tokens * self.prompt_tokens + sd * sd - c * c), 0.5 * x * x)
 
     @property
     def gen_tokens_var(self) -> float:
@@ -281,6 +302,12 @@ class Workload:
             return max(float(self.running_context_tokens), 1.0)
         g = max(self.gen_tokens, 1e-9)
         return self.prompt_tokens + (g * g + self.gen_tokens_var) / (2.0 * g)
+
+    @property
+    def held_context_tokens(self) -> float:
+        """KV tokens the average running sequence adds to the cache: its context less the
+        cached prefix, whose blocks every request of the prefix shares (held once)."""
+        return max(self.mean_context_tokens - self.cached_tokens, 1.0)
 
     @property
     def service_scv(self) -> float:
@@ -758,14 +785,15 @@ def mode_curve(
     ctx, mean_p, pairs, nodes = workload.curve_terms()
     bound = float(model.max_num_seqs)
     kv = model.kv_cache_tokens_on if sd else model.kv_cache_tokens_off
-    kv_bound = kv is not None and kv > 0 and kv / max(ctx, 1.0) < bound
+    held = workload.held_context_tokens  # a cached prefix's blocks are shared
+    kv_bound = kv is not None and kv > 0 and kv / held < bound
     if kv_bound:
-        bound = max(1.0, kv / max(ctx, 1.0))
+        bound = max(1.0, kv / held)
     # Only the hinges inside (0, bound) make segments; the rest fold (as _add_hinge does) or never act.
     s0, s1 = terms.step0 + terms.step_ctx * ctx, terms.step1 + terms.step_ctx * ctx
     hinges = [*terms.step_hinges[: bisect.bisect_left(terms.step_hinges, bound, key=_AT)]]
     d0 = d1 = 0.0
-    p, k = float(workload.prompt_tokens), terms.step_tokens
+    p, k = workload.computed_prompt_tokens, terms.step_tokens
     if p > 0:
         d0, d1 = terms.prompt0 + terms.prompt_slope * mean_p + terms.prompt_pairs * pairs, terms.prompt1
         if terms.prefill is not None:  # schema 1: stand-alone prefill slope, no mixed-step data
@@ -937,7 +965,7 @@ def _chunking_grid(step_tokens: float, budget: float, top: int) -> tuple[np.ndar
 
 def _erfc(z: np.ndarray) -> np.ndarray:
     """The complementary error function to 1.5e-7 (Abramowitz & Stegun 7.1.26), on arrays."""
-    a = np.abs(z)
+    a = np.minimum(np.abs(z), 30.0)  # erfc(30) underflows to 0 already; a² must not overflow
     t = 1.0 / (1.0 + 0.3275911 * a)
     y = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
     y *= np.exp(-a * a)
@@ -1497,7 +1525,7 @@ def throughput_at_batch(
         return 0.0
     off, on = curves(model, alpha, max(draft_length, 1), workload, accepted_length)
     curve = on if sd and draft_length > 0 else off
-    return curve.throughput_at_batch(batch, model.max_num_batched_tokens, float(workload.prompt_tokens))
+    return curve.throughput_at_batch(batch, model.max_num_batched_tokens, workload.computed_prompt_tokens)
 
 
 def stability_limits(model: LatencyModel, alpha: float, draft_length: int, workload: Workload) -> tuple[float, float]:

@@ -64,6 +64,9 @@ class Observation:
     # KV tokens the average running sequence reads, from vLLM's KV-usage gauges over the rate
     # window (controller/occupancy.py); None on servers (or simulators) that do not export them.
     running_context_tokens: float | None = None
+    # Prompt tokens per completed request served from vLLM's prefix cache over the rate window
+    # (vllm:prompt_tokens_cached_total; 0 where the counter is not exported, None: unreadable).
+    cached_prompt_tokens: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -83,6 +86,7 @@ class Observation:
             "fleet_arrival_rate_rps",
             "fleet_arrival_rate_long_rps",
             "running_context_tokens",
+            "cached_prompt_tokens",
         ):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):

@@ -142,6 +142,7 @@ def from_steps(settings, model: LatencyModel, steps: Sequence) -> list[Point]:
             obs.gen_tokens_std,
             obs.prompt_tokens_std,
             running_context_tokens=obs.running_context_tokens,
+            cached_prompt_tokens=obs.cached_prompt_tokens or 0.0,
         )
 
         def latency(m: LatencyModel, on=on, rate=rate, w=w, alpha=last_alpha, gamma=gamma) -> float:

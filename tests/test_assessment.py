@@ -544,3 +544,20 @@ def test_a_measured_running_context_sets_the_decode_steps_context():
     same = at(Workload(900.0, 280.0).mean_context_tokens)
     assert same.latency_off_s == pytest.approx(unmeasured.latency_off_s)
     assert same.latency_on_s == pytest.approx(unmeasured.latency_on_s)
+
+
+def test_prefix_cache_hits_leave_the_prefill_out_of_the_price():
+    # The observed hits per request reach the model: less prefill, lower latency in both
+    # modes and a higher limit; an unreadable counter (None) prices every prompt in full.
+    def at(cached):
+        obs = Observation(
+            T, 4.0, acceptance_rate=0.6, mean_draft_tokens=4.0, mean_prompt_tokens=900.0, mean_gen_tokens=280.0,
+            cached_prompt_tokens=cached,
+        )  # fmt: skip
+        return assess(MODEL, S.policy, ControllerState(), obs, True, 4, T)
+
+    unread, none, half = at(None), at(0.0), at(450.0)
+    assert half.workload.cached_prompt_tokens == 450.0 and unread.workload.cached_prompt_tokens == 0.0
+    assert unread.latency_off_s == none.latency_off_s and unread.latency_on_s == none.latency_on_s
+    assert half.latency_off_s < none.latency_off_s and half.latency_on_s < none.latency_on_s
+    assert half.stability_limit_off_rps > none.stability_limit_off_rps

@@ -35,6 +35,19 @@ def test_predict_json_fields(capsys):
     assert out["inputs"]["alpha"] > 0.6  # vLLM's rate at γ = 4 understates per-token α
 
 
+def test_predict_prices_prefix_cache_hits(capsys):
+    def limits(*extra):
+        args = ["predict", "--json", "--rates", "1", "--draft-lengths", "4", "--prompt-tokens", "2000", *extra]
+        assert main(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["stability_limit_rps"]["off"], out["inputs"]["cached_prompt_tokens"]
+
+    full, none = limits()
+    cached, hits = limits("--cached-prompt-tokens", "1500")
+    assert (none, hits) == (0.0, 1500.0)
+    assert cached > full  # 500 tokens a prefill instead of 2000: more capacity
+
+
 def test_predict_table_and_plot(tmp_path, capsys):
     png = tmp_path / "speedup.png"
     assert main(["predict", "--plot", str(png)]) == 0
@@ -48,6 +61,7 @@ def test_predict_table_and_plot(tmp_path, capsys):
     [
         (["--acceptance-rate", "1.5"], "--acceptance-rate: 1.5 must be within [0, 1]"),
         (["--calibration", "/nonexistent/cal.json"], "cannot read calibration file"),
+        (["--cached-prompt-tokens", "600"], "--cached-prompt-tokens: 600 must be within [0, --prompt-tokens]"),
     ],
 )
 def test_predict_bad_input_exit_2(args, message, capsys):

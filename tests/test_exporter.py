@@ -154,3 +154,21 @@ def test_the_measured_running_context_is_shown_and_absent_when_not_measured():
     ex.record(4.0, state, D, measured, None, None, ())
     ex.record(5.0, state, D, None, FailureReason.NAN, None, ())  # no assessment at all
     assert g("sd_running_context_tokens") is None
+
+
+def test_prefix_cache_hits_are_shown_as_the_model_priced_them():
+    from dataclasses import replace
+
+    reg = CollectorRegistry()
+    ex = Exporter(reg)
+    state = ControllerState(applied_enabled=True)
+    g = reg.get_sample_value
+    ex.record(1.0, state, D, A, None, None, ())
+    assert g("sd_cached_prompt_tokens") == 0.0
+    ex.record(2.0, state, D, replace(A, workload=Workload(512, 256, cached_prompt_tokens=384.0)), None, None, ())
+    assert g("sd_cached_prompt_tokens") == 384.0
+    # A reading past the prompt is priced as all but its last token, and shown so.
+    ex.record(3.0, state, D, replace(A, workload=Workload(512, 256, cached_prompt_tokens=900.0)), None, None, ())
+    assert g("sd_cached_prompt_tokens") == 511.0
+    ex.record(4.0, state, D, None, FailureReason.NAN, None, ())
+    assert g("sd_cached_prompt_tokens") is None

@@ -181,10 +181,12 @@ def test_running_context_per_engine_with_prefix_cache_hits(prometheus_server):
             o = src.observe(time.time())
             assert isinstance(o, Observation), (job, o)
             assert 4 <= o.arrival_rate_rps <= 12, (job, o)
-            return o.running_context_tokens
+            return o.running_context_tokens, o.cached_prompt_tokens
 
-        assert observe("one") == pytest.approx(0.2 * 1_048_576 / 8 - half_block + 120, rel=1e-6)
-        assert observe("two") == pytest.approx((0.5 * 1_048_576 + 0.25 * 524_288) / 12 - half_block, rel=1e-6)
-        assert observe("garbage") is None
-        assert observe("noconfig") is None
-        assert observe("missing_engine") is None
+        # 120 cached prompt tokens per completed request: added back to the context, and
+        # left out of the prefill the model prices.
+        assert observe("one") == pytest.approx((0.2 * 1_048_576 / 8 - half_block + 120, 120), rel=1e-6)
+        assert observe("two") == pytest.approx(((0.5 * 1_048_576 + 0.25 * 524_288) / 12 - half_block, 0), rel=1e-6)
+        assert observe("garbage")[0] is None
+        assert observe("noconfig") == (None, 0.0)
+        assert observe("missing_engine")[0] is None

@@ -395,18 +395,21 @@ def test_prefix_cache_hits_are_added_back_per_completed_request():
         kv_exposition(160, {"0": 8}, {"0": 0.2}, CACHE, cached=59_000),
     )
     assert o.running_context_tokens == pytest.approx(0.2 * 1_048_576 / 8 - HALF_BLOCK + 150)
+    assert o.cached_prompt_tokens == pytest.approx(150)  # what the model's prefill leaves out
     # The counter restarted with vLLM (it went down): its increase is its new value.
     o = context_after(
         kv_exposition(100, {"0": 8}, {"0": 0.2}, CACHE, cached=50_000),
         kv_exposition(160, {"0": 8}, {"0": 0.2}, CACHE, cached=3_000),
     )
     assert o.running_context_tokens == pytest.approx(0.2 * 1_048_576 / 8 - HALF_BLOCK + 50)
+    assert o.cached_prompt_tokens == pytest.approx(50)
 
 
 def test_missing_kv_series_leave_the_context_unmeasured_and_the_observation_whole():
     plain = [exposition(s, created=1000.0, running=8) for s in (100, 160)]  # the simulator's shape
     o = context_after(*plain)
     assert o.running_context_tokens is None and o.arrival_rate_rps == pytest.approx(1.0)
+    assert o.cached_prompt_tokens == 0.0  # no counter: nothing served from a cache
     no_config = [kv_exposition(s, {"0": 8}, {"0": 0.2}, {}) for s in (100, 160)]
     assert context_after(*no_config).running_context_tokens is None
     undecided = [kv_exposition(s, {"0": 8}, {"0": 0.2}, {"0": ("None", 128)}) for s in (100, 160)]

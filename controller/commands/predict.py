@@ -49,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=float, default=512, help="mean prompt tokens (default %(default)s)")
     p.add_argument("--gen-tokens", type=float, default=256, help="mean generated tokens (default %(default)s)")
     p.add_argument(
+        "--cached-prompt-tokens",
+        type=float,
+        default=0.0,
+        help="prompt tokens per request served from vLLM's prefix cache, e.g. a shared system prompt "
+        "(vllm:prompt_tokens_cached_total / requests; default %(default)s)",
+    )
+    p.add_argument(
         "--rates",
         type=float_list("--rates"),
         default=[1, 2, 4, 8, 16],
@@ -88,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--prompt-tokens must be >= 0 and --gen-tokens >= 1")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise InputError("--max-num-seqs must be >= 1")
+    if not 0 <= args.cached_prompt_tokens <= args.prompt_tokens:
+        raise InputError(f"--cached-prompt-tokens: {args.cached_prompt_tokens:g} must be within [0, --prompt-tokens]")
     path = calibration_path(args.calibration)
     cal = cal_mod.load(path)
     model = cal.latency_model(args.max_num_seqs)
@@ -99,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         alpha = float(alpha_from_vllm_rate(rate, args.measured_draft_length))
     if args.gen_tokens_std is not None and args.gen_tokens_std < 0:
         raise InputError("--gen-tokens-std must be >= 0")
-    workload = Workload(args.prompt_tokens, args.gen_tokens, args.gen_tokens_std)
+    workload = Workload(
+        args.prompt_tokens, args.gen_tokens, args.gen_tokens_std, cached_prompt_tokens=args.cached_prompt_tokens
+    )
     report = build_report(model, alpha, workload, args.rates, args.draft_lengths, args.candidates)
     report["calibration"] = {"path": str(path), "example": cal.example}
     report["inputs"] = {
@@ -108,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         "alpha": alpha,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
+        "cached_prompt_tokens": args.cached_prompt_tokens,
         "max_num_seqs": model.max_num_seqs,
     }
     if args.plot:

@@ -252,7 +252,15 @@ class PrometheusSource:
         pairs.sort(key=lambda p: p[0])  # type: ignore[arg-type,return-value]
         return std_from_buckets([p[0] for p in pairs], [p[1] for p in pairs], mean)  # type: ignore[misc]
 
-    def _running_context(self, now: float) -> float | None:
+    def _cached_prompt_tokens(self, now: float) -> float | None:
+        """Prompt tokens per completed request served from the prefix cache (0 without the
+        counter); None when the query fails or reads garbage: a hold, never a zero."""
+        try:
+            return _per_request(self.query(self.queries["cached_prompt_tokens"], now))
+        except QueryFailed:
+            return None
+
+    def _running_context(self, now: float, cached: float | None) -> float | None:
         """Σ usage × capacity / Σ running over the rate window, engines matched by their
         (job, instance, engine) labels; None when anything is missing, unreadable or garbage."""
         try:
@@ -263,7 +271,6 @@ class PrometheusSource:
                 cap = cache_capacity(labels)
                 if cap is not None:
                     capacity[_engine(labels)] = cap
-            cached = self.query(self.queries["cached_prompt_tokens"], now)
         except QueryFailed:
             return None
         if set(usage) != {_engine(labels) for labels, _ in running_rows}:
@@ -271,7 +278,7 @@ class PrometheusSource:
         running = sum(v for _, v in running_rows)
         if not math.isfinite(running) or running < 0:
             return None
-        return context_tokens(held_tokens(usage, capacity), running, _per_request(cached))
+        return context_tokens(held_tokens(usage, capacity), running, cached)
 
     def observe(self, now: float) -> ObserveResult:
         # One budget for all of this tick's queries: a slow Prometheus cannot stretch a tick.
@@ -296,6 +303,7 @@ class PrometheusSource:
                     positions = tuple(min(max(v, 0.0), 1.0) for _, v in ordered)
             mean_prompt = self._scalar("mean_prompt_tokens", now, required=False)
             mean_gen = self._scalar("mean_gen_tokens", now, required=False)
+            cached = self._cached_prompt_tokens(now)
             return Observation(
                 time_s=now,
                 arrival_rate_rps=arrival,
@@ -313,7 +321,8 @@ class PrometheusSource:
                 mean_e2e_latency_s=self._scalar("mean_e2e_latency", now, required=False),
                 sd_series_present=sd_present,
                 sample_age_s=max(age, 0.0) if age is not None else None,
-                running_context_tokens=self._running_context(now),
+                running_context_tokens=self._running_context(now, cached),
+                cached_prompt_tokens=cached,
             )
         except QueryFailed as exc:
             return ObservationFailure(exc.reason, exc.detail)

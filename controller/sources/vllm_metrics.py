@@ -486,6 +486,7 @@ class VllmMetricsSource:
                 sd_series_present=cur.sd_present,
                 sample_age_s=0.0,
                 running_context_tokens=self._running_context(now),
+                cached_prompt_tokens=self._cached_prompt_tokens(self._window(now, self.rate_window_s)),
             )
         except ValueError as exc:  # NaN or inf in the payload
             return ObservationFailure(FailureReason.NAN, str(exc))
