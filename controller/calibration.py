@@ -46,6 +46,7 @@ LOAD_OPTIONAL_COLUMNS = (
     "duration_s",
     "warmup_s",
     "running_context_tokens",
+    "cached_prompt_tokens",
 )
 DEFAULT_WARMUP = 10
 MIN_BATCH_SIZES = 3
@@ -363,6 +364,9 @@ class LoadRow:
     warmup_s: float = 0.0  # arrivals before this were left out of mean_e2e_s
     # KV tokens per running sequence from the server's gauges (controller.occupancy); None: not measured.
     running_context_tokens: float | None = None
+    # Prompt tokens per request served from the prefix cache (vllm:prompt_tokens_cached_total
+    # over the run); None: not recorded (priced as no hits).
+    cached_prompt_tokens: float | None = None
 
     def workload(self) -> Workload:
         """The request shape the run measured, as the model takes it."""
@@ -372,6 +376,7 @@ class LoadRow:
             self.gen_tokens_std,
             self.prompt_tokens_std,
             running_context_tokens=self.running_context_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens or 0.0,
         )
 
 
@@ -490,10 +495,17 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
         if vals["mean_gen_tokens"] <= 0:
             raise InputError(f"{p}:{line}: column mean_gen_tokens: must be > 0")
         opt: dict[str, float | None] = {}  # the optional numeric columns: None when empty
-        for col in ("gen_tokens_std", "prompt_tokens_std", "duration_s", "warmup_s", "running_context_tokens"):
+        for col in (
+            "gen_tokens_std",
+            "prompt_tokens_std",
+            "duration_s",
+            "warmup_s",
+            "running_context_tokens",
+            "cached_prompt_tokens",
+        ):
             cell = (r.get(col) or "").strip()
             opt[col] = _number(p, line, col, cell) if cell else None
-        for col in ("gen_tokens_std", "prompt_tokens_std"):
+        for col in ("gen_tokens_std", "prompt_tokens_std", "cached_prompt_tokens"):
             if (opt[col] or 0.0) < 0:
                 raise InputError(f"{p}:{line}: column {col}: {opt[col]:g} is negative")
         context = opt["running_context_tokens"]
@@ -529,6 +541,7 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 duration,
                 warmup,
                 context,
+                opt["cached_prompt_tokens"],
             )
         )
     return rows, digest

@@ -208,6 +208,7 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
     # A saturated run's batch is whatever its backlog left in the cache: the steady runs say
     # what the mix holds.
     ctxs = [r.running_context_tokens for r in rows if r.running_context_tokens is not None and not r.saturated]
+    hits = [r.cached_prompt_tokens for r in rows if r.cached_prompt_tokens is not None]
     return LoadRow(
         rate=0.0,
         sd=rows[0].sd,
@@ -220,6 +221,7 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
         gen_tokens_std=sum(stds) / len(stds) if stds else None,
         prompt_tokens_std=sum(pstds) / len(pstds) if pstds else None,
         running_context_tokens=sum(ctxs) / len(ctxs) if ctxs else None,
+        cached_prompt_tokens=sum(hits) / len(hits) if hits else None,
     )
 
 

@@ -114,9 +114,10 @@ def test_load_csv_keeps_the_old_columns_first():
     assert load_csv([row, off]).splitlines() == [
         "rate,sd,draft_length,acceptance_rate,mean_e2e_s,mean_prompt_tokens,mean_gen_tokens,"
         "gen_tokens_std,prompt_tokens_std,duration_s,sent,completed,e2e_p50_s,e2e_p90_s,"
-        "mean_e2e_first_half_s,mean_e2e_second_half_s,saturated,workload,warmup_s,running_context_tokens",
-        "2,on,4,0.6123,1.500000,64.00,32.00,3.50,10.00,600,1190,1190,1.400000,2.200000,1.450000,1.550000,0,chat,0,",
-        "8,off,0,,9.000000,64.00,32.00,0.00,0.00,600,4800,4700,8.000000,15.000000,5.000000,12.000000,1,chat,60,1234.6",
+        "mean_e2e_first_half_s,mean_e2e_second_half_s,saturated,workload,warmup_s,running_context_tokens,"
+        "cached_prompt_tokens",
+        "2,on,4,0.6123,1.500000,64.00,32.00,3.50,10.00,600,1190,1190,1.400000,2.200000,1.450000,1.550000,0,chat,0,,",
+        "8,off,0,,9.000000,64.00,32.00,0.00,0.00,600,4800,4700,8.000000,15.000000,5.000000,12.000000,1,chat,60,1234.6,",
     ]
 
 
@@ -139,4 +140,4 @@ def test_the_running_context_comes_from_the_gauges_of_the_measured_window():
 def test_a_server_without_batch_gauges_leaves_the_context_empty():
     (row,) = loadtest.run_load(slow_server(), FIXED, plan())
     assert row.running_context_tokens is None
-    assert load_csv([row]).splitlines()[1].endswith(",chat,6,")
+    assert load_csv([row]).splitlines()[1].endswith(",chat,6,,")

@@ -34,6 +34,7 @@ LOAD_COLUMNS = (
     "workload",
     "warmup_s",
     "running_context_tokens",
+    "cached_prompt_tokens",
 )
 
 
@@ -76,6 +77,9 @@ class LoadRow:
     warmup_s: float = 0.0  # arrivals before this are left out of the means (validate replays it)
     # KV tokens per running sequence from the batch gauges (controller.occupancy); None: not exported.
     running_context_tokens: float | None = None
+    # Prompt tokens per request served from the prefix cache (Δvllm:prompt_tokens_cached_total /
+    # requests sent); None: the server does not export the counter.
+    cached_prompt_tokens: float | None = None
 
 
 def _render(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -132,6 +136,7 @@ def load_csv(rows: Sequence[LoadRow]) -> str:
                 r.workload,
                 f"{r.warmup_s:g}",
                 "" if r.running_context_tokens is None else f"{r.running_context_tokens:.1f}",
+                "" if r.cached_prompt_tokens is None else f"{r.cached_prompt_tokens:.2f}",
             )
             for r in rows
         ],

@@ -3,7 +3,9 @@
 Why streaming: the first-token time is what separates the prefill step from the decode steps,
 and only a streamed response shows it. Prompts are token ids sampled afresh per request from
 the server's own tokenization of a generated text (so vLLM's prefix cache never makes a
-prefill free); ``ignore_eos`` and temperature 0 make the lengths exact, and every stream's
+prefill free), except a request's ``prefix_group`` prefix: its first ``prefix_tokens`` ids are
+drawn from a generator seeded by the group's name, the same for every request of the group (and
+every probe), as a shared system prompt would be; ``ignore_eos`` and temperature 0 make the lengths exact, and every stream's
 ``usage`` is checked against what was asked. Requests go out open-loop: each at its
 ``send_at_s`` from a thread pool, whether or not earlier ones have finished.
 
@@ -31,6 +33,7 @@ from controller.benchmark.probe import GaugeSample, ProbeError, ProbeRequest, Pr
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 DRAFTS = "vllm:spec_decode_num_drafts_total"
+CACHED = "vllm:prompt_tokens_cached_total"
 CACHE_INFO = "vllm:cache_config_info"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -131,9 +134,9 @@ class HttpServer:
     def counters(self) -> ServerCounters:
         sums: dict[str, float] = {}
         for s in self._metric_samples():
-            if s.name in (ACCEPTED, DRAFT_TOKENS, DRAFTS):
+            if s.name in (ACCEPTED, DRAFT_TOKENS, DRAFTS, CACHED):
                 sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
-        return ServerCounters(sums.get(ACCEPTED), sums.get(DRAFT_TOKENS), sums.get(DRAFTS))
+        return ServerCounters(sums.get(ACCEPTED), sums.get(DRAFT_TOKENS), sums.get(DRAFTS), sums.get(CACHED))
 
     def info(self) -> ServerInfo:
         samples = self._metric_samples()
@@ -197,16 +200,38 @@ class HttpServer:
                 self._max_model_len = reply["max_model_len"]
         return pool
 
+    def _prefix(self, index: int, req: ProbeRequest, prefixes: dict[str, list[int]]) -> list[int]:
+        """The shared first tokens of the request's prefix group (none without one)."""
+        if not req.prefix_group:
+            return []
+        if not 0 <= req.prefix_tokens <= req.prompt_tokens:
+            raise self._error(
+                f"request {index}: prefix_tokens {req.prefix_tokens} must be in [0, prompt_tokens {req.prompt_tokens}]"
+            )
+        ids = prefixes.get(req.prefix_group)
+        if ids is None:
+            rng = random.Random(f"prefix:{req.prefix_group}")  # the same text in every probe
+            pool = self.token_pool(req.kind)
+            ids = prefixes[req.prefix_group] = [rng.choice(pool) for _ in range(req.prefix_tokens)]
+        if len(ids) != req.prefix_tokens:
+            raise self._error(
+                f"request {index}: prefix_group {req.prefix_group!r} has prefix_tokens {req.prefix_tokens}, "
+                f"earlier {len(ids)}"
+            )
+        return ids
+
     def probe(self, requests_: Sequence[ProbeRequest]) -> list[ProbeResult]:
         prompts = []
-        for req in requests_:
+        prefixes: dict[str, list[int]] = {}
+        for index, req in enumerate(requests_):
             pool = self.token_pool(req.kind)
             if self._max_model_len is not None and req.prompt_tokens + req.max_tokens > self._max_model_len:
                 raise self._error(
                     f"a request of {req.prompt_tokens} prompt + {req.max_tokens} generated tokens exceeds "
                     f"the server's max_model_len {self._max_model_len}"
                 )
-            prompts.append([self._rng.choice(pool) for _ in range(req.prompt_tokens)])
+            prefix = self._prefix(index, req, prefixes)
+            prompts.append(prefix + [self._rng.choice(pool) for _ in range(req.prompt_tokens - len(prefix))])
         order = sorted(range(len(requests_)), key=lambda i: requests_[i].send_at_s)
         stop = threading.Event()
         futures: dict[int, Future[ProbeResult]] = {}

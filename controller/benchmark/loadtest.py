@@ -16,7 +16,9 @@ mean e2e latency of the second half of the measured window exceeds 1.5× the fir
 queue is still growing: the rate is at or past capacity and the means depend on the duration).
 ``running_context_tokens`` is the KV context per running sequence over the measured window,
 from the batch gauges the server exported during the run (:mod:`controller.occupancy`), empty
-when it exported none.
+when it exported none. ``cached_prompt_tokens`` is Δvllm:prompt_tokens_cached_total / requests sent
+(the counter cannot be split at the warm-up either): the mean prompt tokens a request found in the
+prefix cache, empty when the server does not export it.
 Rates run in ascending order and stop after the first saturated one: a higher rate would only
 queue longer.
 """
@@ -33,7 +35,15 @@ import numpy as np
 
 from controller.benchmark.csvio import LoadRow
 from controller.benchmark.micro import check_results, check_sd_config
-from controller.benchmark.probe import BenchServer, GaugeSample, ProbeError, ProbeRequest, ProbeResult, ServerInfo
+from controller.benchmark.probe import (
+    BenchServer,
+    GaugeSample,
+    ProbeError,
+    ProbeRequest,
+    ProbeResult,
+    ServerCounters,
+    ServerInfo,
+)
 from controller.occupancy import running_context_tokens
 
 MakeRequests = Callable[[float, float, random.Random], list[ProbeRequest]]
@@ -95,15 +105,19 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
-def measured_context(gauges: Sequence[GaugeSample], info: ServerInfo, lo_s: float, hi_s: float) -> float | None:
+def measured_context(
+    gauges: Sequence[GaugeSample], info: ServerInfo, lo_s: float, hi_s: float, cached_prompt_tokens: float = 0.0
+) -> float | None:
     """KV tokens per running sequence from the gauges scraped in [lo_s, hi_s]; None: no data."""
     inside = [g for g in gauges if lo_s <= g.at_s <= hi_s]
     if not inside or not info.kv_cache_tokens:
         return None
     usage = statistics.fmean(g.kv_usage for g in inside)
     running = statistics.fmean(g.running for g in inside)
-    # Random token prompts share no prefix: nothing comes from the prefix cache.
-    return running_context_tokens(usage, float(info.kv_cache_tokens), running, info.block_size or DEFAULT_BLOCK_SIZE)
+    # A prefix shared in the cache is held once but read by every request (see occupancy).
+    return running_context_tokens(
+        usage, float(info.kv_cache_tokens), running, info.block_size or DEFAULT_BLOCK_SIZE, cached_prompt_tokens
+    )
 
 
 def summarize(
@@ -114,6 +128,7 @@ def summarize(
     draft_length: int,
     acceptance_rate: float | None,
     running_context: float | None = None,
+    cached_prompt_tokens: float | None = None,
 ) -> LoadRow:
     """The CSV row of one rate from its requests' observables."""
     warm_s = WARMUP_FRACTION * plan.duration_s
@@ -149,7 +164,21 @@ def summarize(
         workload=plan.workload,
         warmup_s=warm_s,
         running_context_tokens=running_context,
+        cached_prompt_tokens=cached_prompt_tokens,
     )
+
+
+def cached_per_request(rate: float, before: ServerCounters, after: ServerCounters, sent: int) -> float | None:
+    """Prompt tokens per request served from the prefix cache over one rate; None: not exported."""
+    if before.prompt_cached_tokens is None or after.prompt_cached_tokens is None:
+        return None
+    delta = after.prompt_cached_tokens - before.prompt_cached_tokens
+    if delta < 0:
+        raise ProbeError(
+            f"rate {rate:g}: vllm:prompt_tokens_cached_total went down "
+            f"({before.prompt_cached_tokens:g} -> {after.prompt_cached_tokens:g}): did the server restart?"
+        )
+    return delta / sent
 
 
 def run_load(
@@ -185,8 +214,10 @@ def run_load(
             if drafted <= 0:
                 raise ProbeError(f"rate {rate:g}: SD is on but no draft tokens were counted")
             acceptance = min(max(accepted / drafted, 0.0), 1.0)
-        context = measured_context(server.gauges(), info, WARMUP_FRACTION * plan.duration_s, plan.duration_s)
-        row = summarize(rate, requests, results, plan, gamma, acceptance, context)
+        cached = cached_per_request(rate, before, after, len(requests))
+        warm_s = WARMUP_FRACTION * plan.duration_s
+        context = measured_context(server.gauges(), info, warm_s, plan.duration_s, cached or 0.0)
+        row = summarize(rate, requests, results, plan, gamma, acceptance, context, cached)
         rows.append(row)
         if progress is not None:
             progress(row)

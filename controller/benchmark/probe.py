@@ -27,6 +27,10 @@ class ProbeRequest:
     # Report when each streamed chunk (one engine step's output) arrived: lets a benchmark
     # count steps and time them directly instead of inferring them from totals.
     trace: bool = False
+    # Requests with the same non-empty group share their first ``prefix_tokens`` prompt tokens
+    # (a system prompt): vLLM's prefix cache serves them once one request has computed them.
+    prefix_group: str = ""
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class ServerCounters:
     accepted_tokens: float | None = None  # vllm:spec_decode_num_accepted_tokens_total
     draft_tokens: float | None = None  # vllm:spec_decode_num_draft_tokens_total
     drafts: float | None = None  # vllm:spec_decode_num_drafts_total
+    # vllm:prompt_tokens_cached_total: prompt tokens served from the prefix cache (SD on or off)
+    prompt_cached_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class BenchServer(Protocol):
         ...
 
     def counters(self) -> ServerCounters:
-        """The spec-decode counters now (all None with SD off)."""
+        """The counters now (the spec-decode ones None with SD off)."""
         ...
 
     def probe(self, requests: Sequence[ProbeRequest]) -> list[ProbeResult]:

@@ -4,6 +4,7 @@ A benchmark reaches this server exactly as it reaches a real vLLM: it sends requ
 offsets and times them, and scrapes cumulative spec-decode counters. Each probe runs a fresh
 virtual-time simulation from an idle engine (a real probe waits for the server to drain
 before it starts); only the counters persist between probes, like a server that stays up.
+That includes the prefix cache's counter but not the cache itself: each probe starts cold.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class SimulatedServer:
         self._drafts = 0
         self._draft_tokens = 0
         self._accepted = 0
+        self._cached = 0  # vllm:prompt_tokens_cached_total
         self._kv_tokens = spec.kv_tokens()
         self._gauges: list[GaugeSample] = []
 
@@ -41,10 +43,14 @@ class SimulatedServer:
         return list(self._gauges)
 
     def counters(self) -> ServerCounters:
+        cached = float(self._cached)  # vLLM exports it with SD off too
         if not self.spec.sd_on:
-            return ServerCounters()
+            return ServerCounters(prompt_cached_tokens=cached)
         return ServerCounters(
-            accepted_tokens=float(self._accepted), draft_tokens=float(self._draft_tokens), drafts=float(self._drafts)
+            accepted_tokens=float(self._accepted),
+            draft_tokens=float(self._draft_tokens),
+            drafts=float(self._drafts),
+            prompt_cached_tokens=cached,
         )
 
     def probe(self, requests: Sequence[ProbeRequest]) -> list[ProbeResult]:
@@ -53,6 +59,7 @@ class SimulatedServer:
         for i, r in enumerate(requests):
             if r.prompt_tokens < 1 or r.max_tokens < 1 or not r.send_at_s >= 0:
                 raise ProbeError(f"request {i}: prompt_tokens and max_tokens must be ≥ 1, send_at_s ≥ 0 (got {r})")
+        prefix = _prefix_arrays(requests)
         sent = np.array([r.send_at_s for r in requests], dtype=np.float64)
         prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
         gen = np.array([r.max_tokens for r in requests], dtype=np.int64)
@@ -63,12 +70,13 @@ class SimulatedServer:
             alpha[idx] = self.spec.alpha_class(kind).draw(self._rng, idx.size)
         try:
             trace = np.array([r.trace for r in requests], dtype=bool)
-            res = simulate(self.spec, sent, prompt, gen, alpha, self._rng, trace if trace.any() else None)
+            res = simulate(self.spec, sent, prompt, gen, alpha, self._rng, trace if trace.any() else None, **prefix)
         except (ValueError, RuntimeError) as e:
             raise ProbeError(f"simulated server: {e}") from e
         self._drafts += res.num_drafts
         self._draft_tokens += res.num_draft_tokens
         self._accepted += res.num_accepted_tokens
+        self._cached += res.num_cached_tokens
         self._gauges = _scrapes(res, self._kv_tokens // self.spec.block_size * self.spec.block_size)
         return [
             ProbeResult(
@@ -81,6 +89,31 @@ class SimulatedServer:
             )
             for i in range(len(requests))
         ]
+
+
+def _prefix_arrays(requests: Sequence[ProbeRequest]) -> dict[str, np.ndarray]:
+    """simulate's prefix arguments (group strings as ints, "" → −1); none when no request has one."""
+    ids: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for i, r in enumerate(requests):
+        if not r.prefix_group:
+            continue
+        if not 0 <= r.prefix_tokens <= r.prompt_tokens:
+            raise ProbeError(
+                f"request {i}: prefix_tokens {r.prefix_tokens} must be in [0, prompt_tokens {r.prompt_tokens}]"
+            )
+        first = tokens.setdefault(r.prefix_group, r.prefix_tokens)
+        if first != r.prefix_tokens:
+            raise ProbeError(
+                f"request {i}: prefix_group {r.prefix_group!r} has prefix_tokens {r.prefix_tokens}, earlier {first}"
+            )
+        ids.setdefault(r.prefix_group, len(ids))
+    if not ids:
+        return {}
+    return {
+        "prefix_group": np.array([ids.get(r.prefix_group, -1) if r.prefix_group else -1 for r in requests]),
+        "prefix_tokens": np.array([r.prefix_tokens if r.prefix_group else 0 for r in requests]),
+    }
 
 
 SCRAPE_INTERVAL_S = 1.0

@@ -16,6 +16,31 @@ Semantics follow ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
   the rejected drafts' KV positions are rolled back. With SD, every request that sampled gets
   γ drafts for its next step.
 
+Automatic prefix caching (on by default in vLLM v1; ``kv_cache_manager.py``/``block_pool.py``),
+for requests given a ``prefix_group``: requests of a group share their first ``prefix_tokens``
+prompt tokens. Modelled:
+
+* a request's full blocks are cached when they are *scheduled* (``allocate_slots`` caches up to
+  computed + scheduled tokens): a request admitted later in the same step already hits them
+  (the step writes every layer's KV before it attends, so that is safe in vLLM too);
+* admission (first, or after a preemption) starts with the longest cached run of the group's
+  prefix blocks, capped at ``(prompt + generated − 1) // block_size`` blocks so that at least
+  one token is computed (vLLM recomputes the last block of a fully cached prompt); those
+  tokens are neither scheduled nor costed, but they are context (target and draft: the draft
+  shares the block table);
+* a group's cached blocks are held once, in a per-group pool: the request that first computes
+  them hands them over and thereafter references them like every later hit;
+* ``num_cached_tokens`` (vllm:prompt_tokens_cached_total) adds each request's hit once, at its
+  first admission (vLLM sets ``request.num_cached_tokens`` only while it is still −1).
+
+Simplifications: only the declared prefix is shared (vLLM would also hit a preempted request's
+own earlier blocks, or identical blocks of unrelated prompts); a block computed twice by two
+requests of a group prefilling at once stays a private duplicate (as in vLLM) and only extends
+the pool when its request already references the whole pool; pool blocks nobody references
+count as free, as vLLM's free queue does (the KV gauge leaves them out), and are evicted only
+once the never-cached free blocks are gone, least recently used group first, from the tail
+(vLLM's LRU queue can evict an idle prefix before blocks freed after its last use).
+
 Costs come from :mod:`controller.sim.gpu` (the target's pass over all scheduled tokens, the
 draft's pass over the same tokens — it prefills every prompt too — then γ−1 single-token draft
 passes per sampling request, plus the rejection sampler), times lognormal noise per step.
@@ -114,6 +139,10 @@ class SimResult:
     step_running: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     step_kv_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     token_times: dict[int, list[float]] | None = None  # traced requests: end of each step that emitted
+    # Prefix cache: prompt tokens each request found cached at its first admission, and their
+    # sum (what vllm:prompt_tokens_cached_total adds).
+    cached_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    num_cached_tokens: int = 0
 
     @property
     def latency_s(self) -> np.ndarray:
@@ -139,6 +168,116 @@ def step_time_s(spec: ServerSpec, q, ctx, sampled, verify: bool, drafting: np.nd
     return t
 
 
+class _PrefixCache:
+    """Cached prefix blocks per group and who references them (see the module docstring).
+
+    ``held[gi]`` blocks of group ``gi``'s prefix are allocated in its pool (block ``k`` holds
+    tokens ``[k·bs, (k+1)·bs)``); a request references the pool's first ``shared[i]`` blocks
+    and owns the rest of its blocks privately.
+    """
+
+    def __init__(self, group: np.ndarray, prefix: np.ndarray, cap: np.ndarray, bs: int) -> None:
+        self.group = group  # per request: group index, −1 none
+        self.prefix = prefix  # per request: shared prompt tokens
+        self.cap = cap  # per group: whole blocks of its prefix
+        self.bs = bs
+        self.held = np.zeros(cap.size, dtype=np.int64)
+        self.shared = np.zeros(group.size, dtype=np.int64)
+        self.refs: list[dict[int, int]] = [{} for _ in range(cap.size)]  # blocks referenced -> holders
+        self.last_use = np.zeros(cap.size, dtype=np.int64)  # step: LRU order for eviction
+
+    def _in_use(self, gi: int) -> int:
+        return max(self.refs[gi], default=0)
+
+    def evictable(self) -> int:
+        """Pool blocks nobody references: free to vLLM, evicted on demand."""
+        return int(self.held.sum()) - sum(self._in_use(gi) for gi in range(self.cap.size))
+
+    def evict(self, n: int) -> None:
+        for gi in np.argsort(self.last_use, kind="stable").tolist():
+            k = min(n, int(self.held[gi]) - self._in_use(gi))
+            self.held[gi] -= k  # from the tail: a later hit is the shorter run that is left
+            n -= k
+            if n == 0:
+                return
+        raise RuntimeError("prefix cache: evicted more blocks than were evictable")
+
+    def _ref(self, gi: int, k: int, step: int) -> None:
+        if k:
+            self.refs[gi][k] = self.refs[gi].get(k, 0) + 1
+        self.last_use[gi] = step
+
+    def _unref(self, gi: int, k: int, step: int) -> None:
+        if k:
+            left = self.refs[gi][k] - 1
+            if left:
+                self.refs[gi][k] = left
+            else:
+                del self.refs[gi][k]
+        self.last_use[gi] = step
+
+    def hit(self, i: int, num_tokens: int, step: int) -> int:
+        """Reference request ``i``'s cached blocks at its admission; their count."""
+        gi = int(self.group[i])
+        if gi < 0:
+            return 0
+        k = min(int(self.held[gi]), (num_tokens - 1) // self.bs)
+        self._ref(gi, k, step)
+        self.shared[i] = k
+        return k
+
+    def release(self, i: int, step: int) -> None:
+        """Request ``i`` finished or was preempted: it stops referencing the pool."""
+        gi = int(self.group[i])
+        if gi >= 0:
+            self._unref(gi, int(self.shared[i]), step)
+            self.shared[i] = 0
+
+    def commit(self, i: int, upto: int, blocks: np.ndarray, step: int) -> None:
+        """Request ``i`` has ``upto`` tokens scheduled: hand its new full prefix blocks to the pool."""
+        gi = int(self.group[i])
+        if gi < 0:
+            return
+        full = min(min(upto, int(self.prefix[i])) // self.bs, int(self.cap[gi]))
+        have = int(self.held[gi])
+        if full > have and self.shared[i] == have:
+            blocks[i] -= full - have
+            self._unref(gi, have, step)
+            self._ref(gi, full, step)
+            self.shared[i] = full
+            self.held[gi] = full
+
+
+def _prefix_cache(
+    prefix_group: np.ndarray | None, prefix_tokens: np.ndarray | None, prompt: np.ndarray, bs: int
+) -> _PrefixCache | None:
+    """The prefix state, or None when no request can hit (then the run is exactly the cache-less one)."""
+    n = prompt.size
+    if prefix_group is None and prefix_tokens is None:
+        return None
+    if prefix_group is None or prefix_tokens is None:
+        raise ValueError("prefix_group and prefix_tokens go together")
+    group = np.asarray(prefix_group, dtype=np.int64)
+    prefix = np.asarray(prefix_tokens, dtype=np.int64)
+    if not (group.size == prefix.size == n):
+        raise ValueError("prefix_group and prefix_tokens must have one entry per request")
+    grouped = group >= 0
+    if not grouped.any():
+        return None
+    if (prefix[grouped] < 0).any() or (prefix[grouped] > prompt[grouped]).any():
+        raise ValueError("prefix_tokens must be in [0, prompt_tokens]")
+    ids, index = np.unique(group[grouped], return_inverse=True)
+    cap = np.zeros(ids.size, dtype=np.int64)
+    cap[index] = prefix[grouped]
+    if (cap[index] != prefix[grouped]).any():
+        raise ValueError("requests of one prefix_group must share the same prefix_tokens")
+    if not (cap // bs).any():
+        return None  # no whole block to share
+    compact = np.full(n, -1, dtype=np.int64)
+    compact[grouped] = index
+    return _PrefixCache(compact, np.where(grouped, prefix, 0), cap // bs, bs)
+
+
 def simulate(
     spec: ServerSpec,
     arrival_s: np.ndarray,
@@ -147,8 +286,15 @@ def simulate(
     alpha: np.ndarray,
     rng: np.random.Generator,
     trace: np.ndarray | None = None,
+    *,
+    prefix_group: np.ndarray | None = None,
+    prefix_tokens: np.ndarray | None = None,
 ) -> SimResult:
-    """Serve these requests (each generates exactly ``gen_tokens``) from an idle engine at t=0."""
+    """Serve these requests (each generates exactly ``gen_tokens``) from an idle engine at t=0.
+
+    ``prefix_group`` (int ids, −1: none) and ``prefix_tokens``: requests of a group share their
+    first ``prefix_tokens`` prompt tokens, which vLLM's prefix cache serves once computed.
+    """
     arrival = np.asarray(arrival_s, dtype=np.float64)
     prompt = np.asarray(prompt_tokens, dtype=np.int64)
     gen_total = np.asarray(gen_tokens, dtype=np.int64)
@@ -165,6 +311,8 @@ def simulate(
     if n and int(_ceil_div(prompt + gen_total + 2 * gamma, bs).max()) > total_blocks:
         raise ValueError(f"a request needs more KV than the cache holds ({total_blocks * bs} tokens)")
     budget_tokens = spec.max_num_batched_tokens
+    pc = _prefix_cache(prefix_group, prefix_tokens, prompt, bs)
+    cached = np.zeros(n, dtype=np.int64)
 
     computed = np.zeros(n, dtype=np.int64)  # tokens with KV (vLLM num_computed_tokens)
     generated = np.zeros(n, dtype=np.int64)
@@ -191,6 +339,14 @@ def simulate(
     waiting: deque[int] = deque()
     running = np.empty(0, dtype=np.int64)  # request ids in admission order
     free_blocks = total_blocks
+
+    def take(k: int) -> int:
+        """Free blocks left after allocating ``k``, evicting unreferenced prefix blocks first if short."""
+        if pc is not None and k > free_blocks:
+            pc.evict(k - free_blocks)
+            return 0
+        return free_blocks - k
+
     done = 0
     t = 0.0
     steps = 0
@@ -212,36 +368,60 @@ def simulate(
         want = remaining + spec_k
         before = np.cumsum(want) - want
         sched = np.clip(budget_tokens - before, 0, want)
-        need = np.maximum(_ceil_div(computed[r] + sched + gamma, bs) - blocks[r], 0)
-        preempted = int(need.sum()) > free_blocks
+        held = blocks[r] if pc is None else blocks[r] + pc.shared[r]
+        need = np.maximum(_ceil_div(computed[r] + sched + gamma, bs) - held, 0)
+        preempted = int(need.sum()) > free_blocks + (0 if pc is None else pc.evictable())
         if not preempted:
             blocks[r] += need
-            free_blocks -= int(need.sum())
+            free_blocks = take(int(need.sum()))
         else:
             running, r, sched, free_blocks = _schedule_with_preemption(
-                r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget_tokens, bs, gamma
+                r,
+                want,
+                computed,
+                blocks,
+                has_drafts,
+                preempt,
+                waiting,
+                free_blocks,
+                budget_tokens,
+                bs,
+                gamma,
+                pc,
+                steps,
             )
         keep = sched > 0
         r, sched = r[keep], sched[keep]
         budget = budget_tokens - int(sched.sum())
+        if pc is not None:  # vLLM caches the blocks it allocates for the scheduled tokens
+            inside = computed[r] < pc.prefix[r]  # only those still computing their prefix can add any
+            for rid, upto in zip(r[inside].tolist(), (computed[r] + sched)[inside].tolist(), strict=True):
+                pc.commit(rid, upto, blocks, steps)
 
         # --- waiting requests, FCFS, only when nobody was preempted this step
         new_ids: list[int] = []
         new_sched: list[int] = []
         while not preempted and waiting and budget > 0 and running.size + len(new_ids) < spec.max_num_seqs:
             rid = waiting[0]
-            s = min(int(prompt[rid] + generated[rid] - computed[rid]), budget)
-            nb = _ceil_div(int(computed[rid]) + s + gamma, bs) - int(blocks[rid])
-            if nb > free_blocks:
+            hit = 0 if pc is None else pc.hit(rid, int(prompt[rid] + generated[rid]), steps)
+            s = min(int(prompt[rid] + generated[rid] - computed[rid]) - hit * bs, budget)
+            nb = _ceil_div(int(computed[rid]) + hit * bs + s + gamma, bs) - int(blocks[rid]) - hit
+            if nb > free_blocks + (0 if pc is None else pc.evictable()):
+                if pc is not None:
+                    pc.release(rid, steps)
                 break
             waiting.popleft()
             blocks[rid] += nb
-            free_blocks -= nb
+            free_blocks = take(nb)
             budget -= s
             new_ids.append(rid)
             new_sched.append(s)
+            computed[rid] += hit * bs
             if np.isnan(admitted[rid]):
                 admitted[rid] = t
+                cached[rid] = hit * bs  # vLLM counts a request's hit once, at its first scheduling
+            if pc is not None:
+                pc.commit(rid, int(computed[rid]) + s, blocks, steps)
         if new_ids:
             ids = np.array(new_ids, dtype=np.int64)
             r = np.concatenate([r, ids])
@@ -289,6 +469,9 @@ def simulate(
             finish[fid] = t_end
             free_blocks += int(blocks[fid].sum())
             blocks[fid] = 0
+            if pc is not None:
+                for rid in fid.tolist():
+                    pc.release(rid, steps)
             done += fid.size
             running = running[~np.isin(running, fid)]
         log_tokens.append(int(sched.sum()))
@@ -296,13 +479,19 @@ def simulate(
         log_s.append(dt)
         log_end.append(t_end)
         log_running.append(int(running.size))
-        log_kv.append((total_blocks - free_blocks) * bs)
+        if not 0 <= free_blocks <= total_blocks:
+            raise RuntimeError(f"KV block accounting broken: {free_blocks} free of {total_blocks}")
+        # vLLM's usage gauge counts referenced blocks: cached ones nobody uses sit in its free queue.
+        log_kv.append((total_blocks - free_blocks - (0 if pc is None else pc.evictable())) * bs)
         if token_times:
             for rid in r[(emitted > 0) & traced[r]].tolist():
                 token_times[rid].append(t_end)
         t = t_end
         steps += 1
 
+    pooled = 0 if pc is None else int(pc.held.sum())
+    if free_blocks + pooled != total_blocks or blocks.any() or (pc is not None and pc.shared.any()):
+        raise RuntimeError(f"KV block accounting broken: {free_blocks} free + {pooled} cached of {total_blocks}")
     return SimResult(
         arrival_s=arrival,
         admitted_s=admitted,
@@ -323,15 +512,18 @@ def simulate(
         step_running=np.asarray(log_running, dtype=np.int64),
         step_kv_tokens=np.asarray(log_kv, dtype=np.int64),
         token_times=token_times or None,
+        cached_tokens=cached,
+        num_cached_tokens=int(cached.sum()),
     )
 
 
 def _schedule_with_preemption(
-    r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget, bs, lookahead
+    r, want, computed, blocks, has_drafts, preempt, waiting, free_blocks, budget, bs, lookahead, pc=None, step=0
 ):
     """The slow path of the running loop: allocate in order, preempting from the back (vLLM FCFS).
 
-    Returns (running survivors, scheduled ids, their tokens, free blocks).
+    A victim frees its own blocks and stops referencing its group's cached prefix (which stays
+    cached). Returns (running survivors, scheduled ids, their tokens, free blocks).
     """
     run = r.tolist()
     want_of = dict(zip(run, want.tolist(), strict=True))
@@ -341,12 +533,15 @@ def _schedule_with_preemption(
     while i < len(run) and budget > 0:
         rid = run[i]
         s = min(want_of[rid], budget)
-        need = max(_ceil_div(int(computed[rid]) + s + lookahead, bs) - int(blocks[rid]), 0)
+        held = int(blocks[rid]) + (0 if pc is None else int(pc.shared[rid]))
+        need = max(_ceil_div(int(computed[rid]) + s + lookahead, bs) - held, 0)
         self_preempted = False
-        while need > free_blocks:
+        while need > free_blocks + (0 if pc is None else pc.evictable()):
             victim = run.pop()
             free_blocks += int(blocks[victim])
             blocks[victim] = 0
+            if pc is not None:
+                pc.release(victim, step)
             computed[victim] = 0
             has_drafts[victim] = False
             preempt[victim] += 1
@@ -357,6 +552,9 @@ def _schedule_with_preemption(
         if self_preempted:
             break
         blocks[rid] += need
+        if pc is not None and need > free_blocks:
+            pc.evict(need - free_blocks)
+            free_blocks = need
         free_blocks -= need
         budget -= s
         out_ids.append(rid)

@@ -86,6 +86,7 @@ class VllmCounters:
     created_ts: float = 0.0
     request_success: Mapping[str, float] = field(default_factory=dict)
     prompt_tokens_total: float = 0.0
+    prompt_tokens_cached_total: float = 0.0  # served from the prefix cache (0 where none is simulated)
     generation_tokens_total: float = 0.0
     request_prompt_tokens: Histogram = field(default_factory=lambda: Histogram.empty(TOKEN_BUCKETS))
     request_generation_tokens: Histogram = field(default_factory=lambda: Histogram.empty(TOKEN_BUCKETS))
@@ -210,6 +211,10 @@ def render(counters: VllmCounters) -> str:
     w.counter(
         "vllm:prompt_tokens", "Number of prefill tokens processed.",
         [((), c.prompt_tokens_total)], ts,
+    )  # fmt: skip
+    w.counter(
+        "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+        [((), c.prompt_tokens_cached_total)], ts,
     )  # fmt: skip
     w.counter(
         "vllm:generation_tokens", "Number of generation tokens processed.",
