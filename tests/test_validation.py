@@ -20,6 +20,7 @@ from controller import calibration as cal_mod
 from controller.acceptance import alpha_from_vllm_rate
 from controller.calibration import LOAD_COLUMNS, LOAD_OPTIONAL_COLUMNS, LoadRow
 from controller.cli import main
+from controller.errors import InputError
 from controller.model import (
     LIMIT_REASONS,
     LatencyModel,
@@ -523,6 +524,25 @@ def test_a_measured_running_context_is_read_and_predicted_with(tmp_path):
     assert (out[0]["running_context_tokens"], out[0]["running_context_measured"]) == (4000.0, True)
     assert out[1]["running_context_measured"] is False
     assert out[1]["running_context_tokens"] == pytest.approx(parsed[1].workload().mean_context_tokens)
+
+
+def test_prefix_cache_hits_are_read_and_priced(tmp_path):
+    from controller.commands.validate import to_dict
+
+    rows = [
+        {**csv_row(4.0, False, 1.0), "cached_prompt_tokens": 0.6 * PROMPT},
+        csv_row(4.0, False, 1.0),
+        {**csv_row(4.0, False, 1.0), "cached_prompt_tokens": ""},
+    ]
+    parsed, _ = cal_mod.read_load_csv(write_load_csv(tmp_path / "load.csv", rows))
+    assert [r.cached_prompt_tokens for r in parsed] == [pytest.approx(0.6 * PROMPT), None, None]
+    hit, cold, _ = validate(MODEL, parsed).rows
+    assert hit.predicted_s < cold.predicted_s  # 60 % of the prompt is not computed
+    out = to_dict(validate(MODEL, parsed))["rows"]
+    assert [r["cached_prompt_tokens"] for r in out] == [pytest.approx(0.6 * PROMPT), 0.0, 0.0]
+    bad = write_load_csv(tmp_path / "bad.csv", [{**csv_row(4.0, False, 1.0), "cached_prompt_tokens": -5}])
+    with pytest.raises(InputError, match=r"bad.csv:2: column cached_prompt_tokens: -5 is negative"):
+        cal_mod.read_load_csv(bad)
 
 
 def test_the_window_columns_are_read_from_the_csv(tmp_path):

@@ -55,6 +55,8 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 # or derived from the lengths (taken as independent).
                 "running_context_tokens": c.row.workload().mean_context_tokens,
                 "running_context_measured": c.row.running_context_tokens is not None,
+                # Prompt tokens per request the prefix cache served (not computed): measured, or 0.
+                "cached_prompt_tokens": c.row.workload().cached_tokens,
             }
             for c in report.rows
         ],
