@@ -179,6 +179,8 @@ def test_cli_load_test_writes_one_row_per_rate(fake, tmp_path, monkeypatch):
         ["--load-test", "--duration-s", "1e9"],
         ["--load-test", "--rates", "100", "--max-requests", "10"],
         ["--load-test", "--workload", "Bad Name"],
+        ["--load-test", "--prefix-tokens", "-1"],
+        ["--load-test", "--prefix-tokens", "512", "--prefix-groups", "0"],
         ["--api-key-env", "SD_BENCH_UNSET_VAR"],
     ],
 )

@@ -342,3 +342,19 @@ def test_http_requests_of_a_group_share_their_first_tokens(vllm):
     assert vllm.completions[-1]["prompt"][:24] == a1[:24]
     with pytest.raises(ProbeError, match="request 1: prefix_group 'a' has prefix_tokens 16, earlier 24"):
         HttpServer(vllm.url, "tiny", 10).probe([reqs[0], replace(reqs[1], prefix_tokens=16)])
+
+
+def test_the_load_test_workload_puts_a_shared_prefix_in_front():
+    plain = loadtest.lognormal_workload(300, 100, 0.5, kind="chat")
+    shared = loadtest.lognormal_workload(300, 100, 0.5, kind="chat", prefix_tokens=1024, prefix_groups=3)
+    a, b = plain(4.0, 60.0, random.Random(5)), shared(4.0, 60.0, random.Random(5))
+    assert {r.prefix_group for r in a} == {""} and {r.prefix_tokens for r in a} == {0}
+    assert {r.prefix_group for r in b} == {"prefix0", "prefix1", "prefix2"} and {r.prefix_tokens for r in b} == {1024}
+    # The same bodies behind the prefix (one more draw per request, after the lengths: the
+    # arrivals and the first request's lengths match).
+    assert b[0].prompt_tokens == a[0].prompt_tokens + 1024 and b[0].send_at_s == a[0].send_at_s
+    with pytest.raises(ValueError, match="both be > 0, or both 0"):
+        loadtest.lognormal_workload(300, 100, 0.5, prefix_tokens=1024)
+    plan = loadtest.LoadPlan(rates=(2.0,), duration_s=120.0, drain_s=60.0, workload="chat")
+    (row,) = loadtest.run_load(SimulatedServer(SD, seed=2), shared, plan)
+    assert 0.9 * 1024 < row.cached_prompt_tokens <= 1024

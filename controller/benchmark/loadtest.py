@@ -83,19 +83,33 @@ def lognormal_length(mean: float, cv: float, rng: random.Random) -> int:
 
 
 def lognormal_workload(
-    prompt_tokens: float, gen_tokens: float, length_cv: float, kind: str = "", max_total_tokens: int | None = None
+    prompt_tokens: float,
+    gen_tokens: float,
+    length_cv: float,
+    kind: str = "",
+    max_total_tokens: int | None = None,
+    prefix_tokens: int = 0,
+    prefix_groups: int = 0,
 ) -> MakeRequests:
-    """Poisson arrivals; prompt and generated lengths lognormal around their means."""
+    """Poisson arrivals; prompt and generated lengths lognormal around their means.
+
+    With ``prefix_groups`` > 0 every prompt starts with one of that many shared prefixes of
+    ``prefix_tokens`` tokens (a system prompt: vLLM's prefix cache serves it once computed),
+    drawn uniformly, and ``prompt_tokens`` is the mean of the rest.
+    """
+    if (prefix_groups > 0) != (prefix_tokens > 0) or prefix_groups < 0 or prefix_tokens < 0:
+        raise ValueError("prefix_tokens and prefix_groups must both be > 0, or both 0")
 
     def make(rate_rps: float, duration_s: float, rng: random.Random) -> list[ProbeRequest]:
         out = []
         for t in poisson_arrivals(rate_rps, duration_s, rng):
-            p = lognormal_length(prompt_tokens, length_cv, rng)
+            p = lognormal_length(prompt_tokens, length_cv, rng) + prefix_tokens
             g = lognormal_length(gen_tokens, length_cv, rng)
             if max_total_tokens is not None and p + g > max_total_tokens:
                 g = min(g, max_total_tokens - 1)
-                p = max_total_tokens - g
-            out.append(ProbeRequest(t, p, g, kind))
+                p = max(max_total_tokens - g, prefix_tokens + 1)
+            group = f"prefix{rng.randrange(prefix_groups)}" if prefix_groups else ""
+            out.append(ProbeRequest(t, p, g, kind, prefix_group=group, prefix_tokens=prefix_tokens if group else 0))
         return out
 
     return make

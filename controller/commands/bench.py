@@ -112,6 +112,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="load test: coefficient of variation of the lognormal prompt/generated lengths (default 0.5)",
     )
     parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=0,
+        help="load test: every prompt starts with a shared prefix of this many tokens (a system prompt, which"
+        " vLLM's prefix cache serves once computed); --prompt-tokens is then the mean of the rest (default 0)",
+    )
+    parser.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=1,
+        help="load test: how many different shared prefixes the requests draw from, uniformly (default 1)",
+    )
+    parser.add_argument(
         "--max-requests", type=int, default=20_000, help="load test: most requests per rate (default 20000)"
     )
     parser.add_argument(
@@ -171,6 +184,10 @@ def _load_plan(args: argparse.Namespace) -> LoadPlan:
         raise InputError("--prompt-tokens and --gen-tokens must be >= 1")
     if not 0 <= args.length_cv <= 5:
         raise InputError("--length-cv must be in [0, 5]")
+    if args.prefix_tokens < 0 or args.prefix_groups < 1:
+        raise InputError(
+            f"--prefix-tokens {args.prefix_tokens} must be >= 0 and --prefix-groups {args.prefix_groups} >= 1"
+        )
     if not WORKLOAD_NAME.match(args.workload):
         raise InputError(f"--workload: expected a short lowercase name, got {args.workload!r}")
     return LoadPlan(tuple(rates), args.duration_s, drain_s, args.workload, args.seed, args.max_requests)
@@ -217,7 +234,14 @@ def run(args: argparse.Namespace) -> int:
             text = bench_csv(rows)
         else:
             assert load is not None
-            workload = lognormal_workload(args.prompt_tokens, args.gen_tokens, args.length_cv, kind=args.workload)
+            workload = lognormal_workload(
+                args.prompt_tokens,
+                args.gen_tokens,
+                args.length_cv,
+                kind=args.workload,
+                prefix_tokens=args.prefix_tokens,
+                prefix_groups=args.prefix_groups if args.prefix_tokens else 0,
+            )
             rows = run_load(
                 server,
                 workload,
