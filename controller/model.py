@@ -297,16 +297,27 @@ class Workload:
         P + G, so the batch's context is the residence-weighted mean: Σ_G G·(P + G/2) / Σ_G G.
         That takes P and G as independent; a measured context (vLLM's KV usage per running
         sequence) also holds when they are not, e.g. long prompts with short answers.
+
+        With prefix-cache hits the measurement is an upper bound: it adds every request's hits
+        back to the blocks held, but each prefix in use is held once too, so it counts that
+        prefix's tokens once more for the batch (its C/B per sequence: +30 % at 7 running
+        sequences behind 4 system prompts of 1.5k tokens, +1 % at 200). The lengths' value
+        caps it then.
         """
-        if self.running_context_tokens is not None:
-            return max(float(self.running_context_tokens), 1.0)
         g = max(self.gen_tokens, 1e-9)
-        return self.prompt_tokens + (g * g + self.gen_tokens_var) / (2.0 * g)
+        lengths = self.prompt_tokens + (g * g + self.gen_tokens_var) / (2.0 * g)
+        if self.running_context_tokens is None:
+            return lengths
+        measured = max(float(self.running_context_tokens), 1.0)
+        return min(measured, max(lengths, 1.0)) if self.cached_tokens > 0.0 else measured
 
     @property
     def held_context_tokens(self) -> float:
         """KV tokens the average running sequence adds to the cache: its context less the
-        cached prefix, whose blocks every request of the prefix shares (held once)."""
+        cached prefix, whose blocks every request of the prefix shares (held once); measured,
+        vLLM's KV usage per running sequence itself (the prefixes in use included)."""
+        if self.running_context_tokens is not None:
+            return max(float(self.running_context_tokens) - self.cached_tokens, 1.0)
         return max(self.mean_context_tokens - self.cached_tokens, 1.0)
 
     @property

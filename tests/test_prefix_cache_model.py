@@ -101,3 +101,17 @@ def test_hits_move_the_break_even_up():
     s_cached = predict_point(m, lam, 0.75, 4, cached)
     assert s_cached.latency_off_s / s_cached.latency_on_s > s_full.latency_off_s / s_full.latency_on_s
     assert math.isfinite(s_cached.latency_on_s)
+
+
+def test_a_measured_context_with_hits_is_capped_by_the_lengths():
+    # held/running + hits counts each prefix in use once more for the batch: an upper bound.
+    lengths = Workload(2100, 280, 280, cached_prompt_tokens=1500).mean_context_tokens
+    inflated = Workload(2100, 280, 280, cached_prompt_tokens=1500, running_context_tokens=lengths + 800)
+    assert inflated.mean_context_tokens == pytest.approx(lengths)
+    # ...while the KV bound keeps what the cache really holds per sequence.
+    assert inflated.held_context_tokens == pytest.approx(lengths + 800 - 1500)
+    # Below the lengths' value (short answers to long prompts) the measurement stands.
+    short = Workload(2100, 280, 280, cached_prompt_tokens=1500, running_context_tokens=lengths - 300)
+    assert short.mean_context_tokens == pytest.approx(lengths - 300)
+    # Without hits a measured context is taken as it is, above the lengths' value or not.
+    assert Workload(2100, 280, 280, running_context_tokens=lengths + 800).mean_context_tokens == lengths + 800
