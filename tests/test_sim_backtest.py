@@ -146,6 +146,23 @@ def test_acceptance_recorded_with_sd_off_is_not_used(tmp_path, model):
     assert result.records[0].acceptance_source == "prior"
 
 
+def test_prefix_cache_hits_in_the_history_reach_the_model(tmp_path, model):
+    path = write_csv(tmp_path / "h.csv", [3.0] * 3)
+    lines = path.read_text().splitlines()
+    cells = ["400", "", "nan"]
+    body = [f"{r},{c}" for r, c in zip(lines[1:], cells, strict=True)]
+    path.write_text("\n".join([lines[0] + ",cached_prompt_tokens", *body]))
+    steps = steps_from_rows(read_rows(path))
+    assert [s.observation.cached_prompt_tokens for s in steps] == [400.0, None, None]
+    hit, cold, _ = replay(settings(), model, steps).records
+    # 400 of 512 prompt tokens not computed, the draft's prefill included: SD gains more.
+    assert hit.predicted_speedup > cold.predicted_speedup
+    bad = tmp_path / "bad.csv"
+    bad.write_text(lines[0] + ",cached_prompt_tokens\n" + lines[1] + ",-4\n")
+    with pytest.raises(InputError, match="row 2, column cached_prompt_tokens: -4 is negative"):
+        read_rows(bad)
+
+
 def test_replay_leaves_structlog_configuration_alone(tmp_path, model):
     import structlog
 

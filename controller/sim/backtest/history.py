@@ -32,7 +32,7 @@ from controller.observation import FailureReason, Observation, ObservationFailur
 from controller.sources.prometheus import PrometheusSource
 
 COLUMNS = ("time_s", "arrival_rate_rps", "acceptance_rate", "mean_prompt_tokens", "mean_gen_tokens", "sd_enabled")
-OPTIONAL_COLUMNS = ("arrival_rate_long_rps",)
+OPTIONAL_COLUMNS = ("arrival_rate_long_rps", "cached_prompt_tokens")
 MAX_STEPS = 200_000
 POINTS_PER_QUERY = 10_000  # Prometheus refuses more than 11,000 points per series in one query_range
 _TRUE = ("1", "true", "on", "yes")
@@ -185,6 +185,7 @@ def steps_from_rows(rows: Sequence[Mapping[str, float | None]]) -> list[Step]:
                 acceptance_rate=r["acceptance_rate"] if sd else None,
                 mean_prompt_tokens=r["mean_prompt_tokens"] or None,
                 mean_gen_tokens=r["mean_gen_tokens"] or None,
+                cached_prompt_tokens=r.get("cached_prompt_tokens"),
                 sd_series_present=sd,
                 sample_age_s=0.0,
             )
