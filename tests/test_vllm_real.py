@@ -174,6 +174,14 @@ def test_launcher_toggles_sd_on_real_vllm(tmp_path):
         assert any(g.running > 0 and 0 < g.kv_usage <= 1 for g in bench.gauges()), bench.gauges()
         assert row.running_context_tokens is not None, bench.gauges()
         assert 0.5 * 200 < row.running_context_tokens < 1.5 * (200 + 256), row.running_context_tokens
+        # vLLM v1's prefix cache (on by default): requests behind one shared 512-token prefix
+        # (4 whole 128-token CPU blocks) find it cached once the first has scheduled it, and the
+        # load test reads the hits off vllm:prompt_tokens_cached_total.
+        shared = lognormal_workload(64, 16, 0.0, prefix_tokens=512, prefix_groups=1)
+        plan = LoadPlan(rates=(2.0,), duration_s=8.0, drain_s=60.0, workload="chat", seed=4)
+        (hit,) = run_load(bench, shared, plan)
+        assert hit.cached_prompt_tokens is not None, "no vllm:prompt_tokens_cached_total"
+        assert 128 <= hit.cached_prompt_tokens <= 512, hit.cached_prompt_tokens
 
         on_s = switch(True)
         assert SD_SERIES in metrics()
@@ -185,7 +193,8 @@ def test_launcher_toggles_sd_on_real_vllm(tmp_path):
         print(
             f"\nreal vLLM: first start {first_start_s:.1f} s; SD off restart {off_s:.1f} s; "
             f"SD on restart {on_s:.1f} s; launcher-measured {final['restart_durations_s']}; "
-            f"load test: running context {row.running_context_tokens:.0f} tokens"
+            f"load test: running context {row.running_context_tokens:.0f} tokens, "
+            f"{hit.cached_prompt_tokens:.0f} prompt tokens a request from the prefix cache"
         )
         child_pid = final["child_pid"]
         launcher.send_signal(signal.SIGTERM)
