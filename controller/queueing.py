@@ -93,6 +93,24 @@ def mean_time_in_system_many(rates_rps: np.ndarray, cum_log_rates: np.ndarray, t
     return out
 
 
+def stationary_law(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) -> tuple[np.ndarray, float]:
+    """The chain's stationary law: P(n) for n = 0..N from ``cum_log_rates``, and the mass of the
+    queue past N (served at ``tail_rps``; geometric). What a server's time-weighted count of
+    requests (vLLM's running plus waiting gauges) should show at this rate, not only its mean
+    (:func:`mean_in_system`). A rate at or past ``tail_rps`` has no law: ValueError.
+    """
+    if not 0.0 < rate_rps < tail_rps:
+        raise ValueError(f"a stationary law needs 0 < rate < {tail_rps:g} req/s, got {rate_rps:g}")
+    top = cum_log_rates.size - 1
+    log_p = _STATES[: top + 1] * math.log(rate_rps) - cum_log_rates
+    log_p -= log_p.max()
+    p = np.exp(log_p)
+    r = rate_rps / tail_rps
+    past = float(p[-1]) * r / (1.0 - r)  # Σ_{k ≥ 1} p(N)·rᵏ
+    total = float(p.sum()) + past
+    return p / total, past / total
+
+
 def _with_tail(z, first, last, top: int, rate, tail_rps: float):
     """Σ n·p/λ over Σ p with the queue past ``top`` added: there each state's weight is the one
     before's times r = λ/h_tail. ``z`` is Σ p, ``first`` Σ n·p/λ and ``last`` p(top)/λ over the

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 from controller import queueing
-from controller.queueing import cumulative_log_rates, mean_in_system, mean_time_in_system, mean_time_in_window
+from controller.queueing import (
+    cumulative_log_rates,
+    mean_in_system,
+    mean_time_in_system,
+    mean_time_in_window,
+    stationary_law,
+)
 
 
 def erlang_c_time_in_system_s(servers: int, rate_rps: float, service_s: float) -> float:
@@ -63,6 +69,43 @@ def test_many_more_slots_than_requests_is_mm_infinity():
     h = np.arange(1, 4001) * mu
     for rate in (0.1, 5.0, 200.0):
         assert chain_time_in_system_s(h, rate, h[-1]) == pytest.approx(1.0 / mu, rel=1e-9)
+
+
+@pytest.mark.parametrize("rho", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("states", [1, 7, 64])
+def test_the_stationary_law_of_a_constant_rate_is_geometric_past_any_bound(rho, states):
+    mu = 3.0
+    p, past = stationary_law(rho * mu, cumulative_log_rates(np.full(states, mu)), mu)
+    np.testing.assert_allclose(p, (1.0 - rho) * rho ** np.arange(states + 1), rtol=1e-9)
+    assert past == pytest.approx(rho ** (states + 1), rel=1e-9)
+
+
+@pytest.mark.parametrize("load", [0.5, 4.0, 30.0])
+def test_the_stationary_law_of_mm_infinity_is_poisson(load):
+    mu = 0.5
+    p, past = stationary_law(load * mu, cumulative_log_rates(np.arange(1, 201) * mu), 200 * mu)
+    n = np.arange(201)
+    poisson = np.exp(n * math.log(load) - load - np.array([math.lgamma(k + 1) for k in n]))
+    np.testing.assert_allclose(p, poisson, rtol=1e-9, atol=1e-300)
+    assert past < 1e-80  # Poisson(≤ 30) past 200
+
+
+def test_the_stationary_law_has_the_mean_the_latency_is_read_from():
+    # A departure rate that flattens (a batch whose step grows): the law's mean, its queue past
+    # the bound included, is Little's λ·T of mean_time_in_system.
+    h = np.arange(1, 33) / (2.0 + 0.05 * np.arange(32))
+    c, limit, rate = cumulative_log_rates(h), float(h.max()), 0.9 * float(h.max())
+    p, past = stationary_law(rate, c, limit)
+    r = rate / limit
+    mean = float(p @ np.arange(p.size)) + past * (p.size - 1) + p[-1] * r / (1.0 - r) ** 2
+    assert p.sum() + past == pytest.approx(1.0, rel=1e-12)
+    assert mean == pytest.approx(rate * mean_time_in_system(rate, c, limit), rel=1e-9)
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, 2.0, 5.0])
+def test_no_stationary_law_without_load_or_past_the_limit(rate):
+    with pytest.raises(ValueError, match="stationary law"):
+        stationary_law(rate, cumulative_log_rates(np.array([1.0, 2.0])), 2.0)
 
 
 def test_no_load_means_nobody_in_the_server():

@@ -1,0 +1,138 @@
+"""Diagnostic: where a load-test error comes from, the model's batch against the truth's.
+
+A validated run says only that the mean latency is off. This re-runs one of its points on the
+step simulation and sets, side by side, what the truth's step log shows and what the model's
+chain (queueing.stationary_law) and step line say: the time split of a request, the law of the
+number running (time-weighted), and the decode step's cost at each batch it ran. The model is
+the one the pipeline calibrated (DIR/calibration.json from bench_fidelity.py), given the run's
+measured workload from DIR/load-WORKLOAD.csv, as ``validate`` gives it; the truth's internals are
+read only here, to find which term misses, never to fit one. Prints figures; asserts nothing.
+
+    python bench/bench_batch_law.py bench/results/fidelity-a100-coarse-prefix --truth a100-coarse \\
+        --workload system_prompt --draft-length 4 --rate 3
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from controller import calibration as cal_mod
+from controller import model as model_mod
+from controller.queueing import stationary_law
+from controller.sim import fidelity, gpu
+from controller.sim.stepsim import SimResult, simulate
+from controller.sim.truth_workloads import poisson_load
+from controller.validation import _alpha
+
+TRUTHS = {
+    "h100": fidelity.TruthServer(gpu=gpu.H100_SXM),
+    "a100-coarse": fidelity.TruthServer(gpu=gpu.A100_COARSE),
+    "l40s": fidelity.TruthServer(gpu=gpu.L40S, max_num_batched_tokens=2048),
+}
+WARMUP_FRACTION = 0.1  # as the load test: the first tenth fills the server
+MIN_STEPS = 50  # a batch size's decode steps shown when at least this many ran
+
+
+def run_truth(truth: fidelity.TruthServer, workload: str, gamma: int, rate: float, duration_s: float, seed: int):
+    spec = truth.spec(gamma)
+    rng = np.random.default_rng(seed)
+    reqs = poisson_load(rate, duration_s, workload, rng)
+    groups: dict[str, int] = {}
+    group = np.array([groups.setdefault(r.prefix_group, len(groups)) if r.prefix_group else -1 for r in reqs])
+    kinds = np.array([r.kind for r in reqs])
+    alpha = np.empty(len(reqs))
+    for kind in sorted(set(kinds.tolist())):
+        idx = np.flatnonzero(kinds == kind)
+        alpha[idx] = spec.alpha_class(kind).draw(rng, idx.size)
+    return simulate(
+        spec,
+        np.array([r.send_at_s for r in reqs]),
+        np.array([r.prompt_tokens for r in reqs]),
+        np.array([r.max_tokens for r in reqs]),
+        alpha,
+        rng,
+        prefix_group=group,
+        prefix_tokens=np.array([r.prefix_tokens for r in reqs]),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, help="a bench_fidelity.py result directory (calibration.json, load-*.csv)")
+    ap.add_argument("--truth", choices=sorted(TRUTHS), required=True, help="the truth the directory was run on")
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--draft-length", type=int, default=0, help="0: SD off")
+    ap.add_argument("--rate", type=float, required=True, help="req/s: a rate the load CSV has a row for")
+    ap.add_argument("--duration", type=float, default=1800.0, help="seconds of arrivals")
+    ap.add_argument("--seed", type=int, default=5)
+    args = ap.parse_args()
+    gamma = args.draft_length
+
+    lm = cal_mod.load(args.dir / "calibration.json").latency_model()
+    rows, _ = cal_mod.read_load_csv(args.dir / f"load-{args.workload}.csv")
+    matches = [r for r in rows if r.draft_length == gamma and abs(r.rate - args.rate) < 1e-9]
+    if not matches:
+        raise SystemExit(f"bench_batch_law: load-{args.workload}.csv has no row at γ={gamma}, {args.rate:g} req/s")
+    row = matches[0]
+    curve = model_mod.curves(lm, _alpha(row) if row.sd else 0.5, max(gamma, 1), row.workload())[1 if gamma else 0]
+
+    res: SimResult = run_truth(TRUTHS[args.truth], args.workload, gamma, args.rate, args.duration, args.seed)
+    kept = res.arrival_s >= WARMUP_FRACTION * args.duration
+    ends = np.cumsum(res.step_s)
+    late = ends > WARMUP_FRACTION * args.duration
+    dur, seqs, tokens = res.step_s[late], res.step_seqs[late], res.step_tokens[late]
+    print(f"{args.truth} {args.workload} γ={gamma} at {args.rate:g} req/s, {args.duration:g} s")
+    print(
+        f"truth: mean {res.latency_s[kept].mean():.3f} s (load CSV {row.mean_e2e_s:.3f}): "
+        f"to first scheduled {(res.admitted_s - res.arrival_s)[kept].mean():.3f}, first token "
+        f"{(res.first_token_s - res.arrival_s)[kept].mean():.3f}, decode "
+        f"{(res.finish_s - res.first_token_s)[kept].mean():.3f}; "
+        f"{(res.num_drafts if gamma else res.step_seqs.sum()) / max(res.arrival_s.size, 1):.1f} steps a request, "
+        f"{1e3 * np.average(dur, weights=seqs):.1f} ms a step as a request sees it"
+    )
+    limit = curve.stability_limit_rps
+    latency = curve.latency_s(args.rate)
+    print(
+        f"model: mean {latency:.3f} s (fluid fixed point {curve.fluid_latency_s(args.rate):.3f}); "
+        f"{curve.steps:.1f} steps a request; limit {limit:.2f} req/s ({curve.limit_reason})"
+    )
+    if not args.rate < limit:
+        return
+
+    law, past = stationary_law(args.rate, curve.cum_log_rates, limit)
+    running = res.step_running[late]
+    truth_law = np.bincount(running, weights=dur) / dur.sum()
+    width = max(1, int(np.ceil(max(running.max(), 1) / 16)))
+    print(f"\nrequests in the server (time-weighted; the truth's running gauge, the model's chain), width {width}")
+    print(f"  truth mean {float(truth_law @ np.arange(truth_law.size)):.1f}, model {args.rate * latency:.1f}")
+    for lo in range(0, int(running.max()) + 1, width):
+        t = truth_law[lo : lo + width].sum()
+        m = law[lo : lo + width].sum()
+        print(f"  {lo:4d}-{lo + width - 1:<4d} truth {t:6.3f}  model {m:6.3f}  {'#' * round(40 * t):40s}|")
+    print(f"  past the chain's bound: model {past:.3g}")
+
+    # The decode (verify) step at each batch it ran alone: the truth against the line and the
+    # calibration's staircase residual at those tokens, as the chain prices it.
+    per_seq = gamma + 1 if gamma else 1
+    table = lm.verify_staircase_on if gamma else lm.decode_staircase_off
+    nodes = model_mod._stair_nodes(table) if table else None
+    alone = tokens <= seqs * per_seq
+    print("\ndecode steps with no prompt: batch, steps, truth ms, model ms (line + staircase), error")
+    for b in np.unique(seqs[alone]):
+        pick = alone & (seqs == b)
+        if pick.sum() < MIN_STEPS:
+            continue
+        stair = float(np.interp(b * per_seq, *nodes, right=0.0)) if nodes else 0.0
+        # A batch of b runs b − 1 besides each request: the step the chain prices in state b.
+        model_s = curve.step(b - 1.0) + stair
+        truth_s = float(dur[pick].mean())
+        print(
+            f"  {b:4d} {pick.sum():6d} {1e3 * truth_s:8.2f} {1e3 * model_s:8.2f} {100 * (model_s / truth_s - 1):+6.1f} %"
+        )
+
+
+if __name__ == "__main__":
+    main()
