@@ -59,6 +59,12 @@ def run_truth(truth: fidelity.TruthServer, workload: str, gamma: int, rate: floa
     )
 
 
+def _mean_sd(law: np.ndarray) -> str:
+    n = np.arange(law.size)
+    mean = float(law @ n) / float(law.sum())
+    return f"{mean:.1f} (sd {float(np.sqrt(law @ (n - mean) ** 2 / law.sum())):.1f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="a bench_fidelity.py result directory (calibration.json, load-*.csv)")
@@ -107,7 +113,7 @@ def main() -> None:
     truth_law = np.bincount(running, weights=dur) / dur.sum()
     width = max(1, int(np.ceil(max(running.max(), 1) / 16)))
     print(f"\nrequests in the server (time-weighted; the truth's running gauge, the model's chain), width {width}")
-    print(f"  truth mean {float(truth_law @ np.arange(truth_law.size)):.1f}, model {args.rate * latency:.1f}")
+    print(f"  truth mean {_mean_sd(truth_law)}, model {_mean_sd(law)} (with its queue: mean {args.rate * latency:.1f})")
     for lo in range(0, int(running.max()) + 1, width):
         t = truth_law[lo : lo + width].sum()
         m = law[lo : lo + width].sum()
@@ -131,6 +137,22 @@ def main() -> None:
         truth_s = float(dur[pick].mean())
         print(
             f"  {b:4d} {pick.sum():6d} {1e3 * truth_s:8.2f} {1e3 * model_s:8.2f} {100 * (model_s / truth_s - 1):+6.1f} %"
+        )
+
+    # Steps that carried prompt tokens: what they cost over the decode step of the same batch
+    # (the truth's own, where it ran alone often enough), per prompt token, against Δ(B) / P.
+    decode_ms = {b: float(dur[alone & (seqs == b)].mean()) for b in np.unique(seqs[alone])}
+    mixed = ~alone & np.isin(seqs, [b for b in decode_ms if (alone & (seqs == b)).sum() >= MIN_STEPS])
+    if mixed.any():
+        extra = np.array([d - decode_ms[b] for d, b in zip(dur[mixed], seqs[mixed], strict=True)])
+        prompt_tokens = tokens[mixed] - seqs[mixed] * per_seq  # a prefilling sequence's chunk beyond its one token
+        computed = row.workload().computed_prompt_tokens
+        model_us = np.array([curve.prompt(b - 1.0) for b in seqs[mixed]]) / computed
+        print(
+            f"\nsteps with prompts: {mixed.sum()} ({mixed.mean() * 100:.0f} % of steps), "
+            f"{prompt_tokens.mean():.0f} prompt tokens each; beyond the decode step "
+            f"{1e6 * extra.sum() / prompt_tokens.sum():.1f} µs a prompt token, model Δ(B)/P "
+            f"{1e6 * float(model_us.mean()):.1f} µs ({computed:.0f} computed tokens a prompt)"
         )
 
 

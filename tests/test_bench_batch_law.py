@@ -24,7 +24,7 @@ def test_both_laws_are_probabilities_and_the_truths_mean_is_littles():
     assert done.returncode == 0, done.stderr
     out = done.stdout
     truth_s = float(re.search(r"truth: mean ([\d.]+) s", out).group(1))
-    truth_n = float(re.search(r"truth mean ([\d.]+), model ([\d.]+)", out).group(1))
+    truth_n = float(re.search(r"truth mean ([\d.]+) \(sd [\d.]+\), model ([\d.]+)", out).group(1))
     bins = re.findall(r"^\s+\d+-\d+\s+truth\s+([\d.]+)\s+model\s+([\d.]+)", out, flags=re.M)
     truth_law, model_law = (sum(float(b[i]) for b in bins) for i in (0, 1))
     assert abs(truth_law - 1.0) < 0.01 and abs(model_law - 1.0) < 0.01, bins
