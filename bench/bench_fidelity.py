@@ -10,6 +10,7 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
 
     python bench/bench_fidelity.py [--quick] [--out DIR] [--truth h100|a100-coarse|l40s] [--rates 1,2,4]
     python bench/bench_fidelity.py --revalidate bench/results/fidelity-h100   # same runs, this code's model
+    python bench/bench_fidelity.py --revalidate DIR --recalibrate BENCH_DIR   # ... and this code's calibrate
     python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
     python bench/bench_fidelity.py --truth a100-coarse --max-num-batched-tokens 2048   # vLLM's A100 default
 
@@ -80,10 +81,22 @@ def main() -> None:
         help="no simulation: validate DIR/load-*.csv against DIR/calibration.json with this code (a model change"
         " on the same runs) and rewrite DIR/fidelity.json",
     )
+    ap.add_argument(
+        "--recalibrate",
+        type=Path,
+        default=None,
+        metavar="BENCH_DIR",
+        help="with --revalidate: first calibrate BENCH_DIR/bench-g*.csv with this code (the bench DIR's calibration"
+        " was made from: the same source_sha256) and rewrite DIR/calibration.json",
+    )
     args = ap.parse_args()
+    if args.recalibrate is not None and args.revalidate is None:
+        ap.error("--recalibrate: only with --revalidate DIR")
     if args.revalidate is not None:
         started = time.monotonic()
         try:
+            if args.recalibrate is not None:
+                _recalibrate(args.revalidate, args.recalibrate)
             reports = _revalidate(args.revalidate)
         except InputError as exc:  # one line: what is wrong and where
             raise SystemExit(f"bench_fidelity: {exc}") from None
@@ -123,6 +136,30 @@ def main() -> None:
     )
     print(f"done in {time.monotonic() - started:.0f} s; CSVs and calibration.json in {args.out}/")
     _summarize(run.reports, args.out)
+
+
+def _recalibrate(workdir: Path, bench_dir: Path) -> None:
+    """Calibrate the bench CSVs ``workdir``'s calibration was made from with this code, in place."""
+    stored = cal_mod.load(workdir / "calibration.json")
+    paths = sorted(bench_dir.glob("bench-g*.csv"))
+    if not paths:
+        raise InputError(f"{bench_dir}: no bench-g*.csv to calibrate")
+    rows, digest = cal_mod.read_bench_csvs(paths)
+    if digest != stored.metadata.source_sha256:
+        raise InputError(
+            f"{bench_dir}: its bench CSVs (sha256 {digest[:12]}…) are not the ones {workdir}/calibration.json was"
+            f" made from ({stored.metadata.source_sha256[:12]}…)"
+        )
+    serving = stored.latency_model()
+    cal = cal_mod.calibrate(
+        rows,
+        warmup=0,
+        max_num_seqs=serving.max_num_seqs,
+        max_num_batched_tokens=serving.max_num_batched_tokens,
+        metadata=stored.metadata,
+        where=str(bench_dir),
+    )
+    cal_mod.save(cal, workdir / "calibration.json")
 
 
 def _revalidate(workdir: Path) -> dict[str, ValidationReport]:

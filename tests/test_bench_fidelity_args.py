@@ -30,3 +30,43 @@ def test_a_bad_option_is_refused_before_anything_runs(tmp_path, option, value, w
     last = run.stderr.strip().splitlines()[-1]
     assert option in last and why in last and value in last
     assert not out.exists()  # nothing benched, nothing written
+
+
+def test_recalibrate_needs_revalidate(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "bench/bench_fidelity.py", "--recalibrate", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].endswith("--recalibrate: only with --revalidate DIR")
+
+
+def test_recalibrate_refuses_bench_csvs_the_calibration_was_not_made_from(tmp_path):
+    # A directory of one truth's runs and another truth's bench: one line, nothing rewritten.
+    work = tmp_path / "runs"
+    work.mkdir()
+    stored = ROOT / "bench/results/fidelity-a100-coarse-prefix"
+    for name in ("calibration.json", "load-agent.csv"):
+        (work / name).write_bytes((stored / name).read_bytes())
+    before = (work / "calibration.json").read_bytes()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "bench/bench_fidelity.py",
+            "--revalidate",
+            str(work),
+            "--recalibrate",
+            "bench/results/fidelity-h100",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("bench_fidelity: bench/results/fidelity-h100: its bench CSVs") and "not the ones" in last
+    assert (work / "calibration.json").read_bytes() == before

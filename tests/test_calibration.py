@@ -413,3 +413,44 @@ def test_mixed_rows_past_the_step_budget_are_dropped_and_noted():
     assert any(f"{len(over)} mixed row(s) dropped" in n for n in cal.phases.target.fit.notes)
     # Without a budget nothing can be judged, so nothing is dropped.
     assert cal_mod.drop_over_budget(spanned, None) == (spanned, 0)
+
+
+def test_the_kv_read_comes_from_the_steps_repeated_at_a_longer_context(monkeypatch):
+    # An SD step 10 µs a token cheaper than the target's fit prices its γ + 1 tokens (they read
+    # the KV once): what is left for the draft falls with the batch faster than any non-negative
+    # per-token and per-sequence cost, both sit at zero, and a joint fit takes the rest out of
+    # the KV read. Two steps alike but for their context differ by the KV read alone.
+    true = LatencyModel(
+        target=StepCost(0.006, 2e-5, context_s_per_token=7.5e-8, seq_s=1e-5),
+        draft=StepCost(0.004, 0.0, context_s_per_token=1.9e-8, seq_s=1e-5),
+        sd_overhead_s=0.0002,
+        max_num_batched_tokens=8192,
+    )
+    sizes = (1, 2, 4, *range(8, 257, 8))
+    rows = bench_rows(
+        true, batch_sizes=sizes, context_lens=(640.0, 2176.0), noise=0.0, iterations=1, warmup_penalty=0.0
+    )
+    cheaper = [
+        replace(r, latency_s=r.latency_s - 1e-5 * r.batch_size * r.tokens_per_seq) if r.phase == "verify" else r
+        for r in rows
+    ]
+    cal = calibrate(cheaper, warmup=0)
+    assert cal.phases.target.context_s_per_token == pytest.approx(7.5e-8, rel=1e-6)
+    assert cal.phases.draft.context_s_per_token == pytest.approx(1.9e-8, rel=1e-6)
+    assert any("repeated at a longer context" in n for n in cal.phases.draft.fit.notes)
+    # The joint fit, as before: the same rows put the draft's read 10 % low.
+    monkeypatch.setattr(cal_mod, "MIN_CONTEXT_PAIRS", 10**9)
+    joint = calibrate(cheaper, warmup=0)
+    assert not any("repeated at a longer context" in n for n in joint.phases.draft.fit.notes)
+    assert joint.phases.draft.context_s_per_token < 0.95 * 1.9e-8
+
+
+def test_without_steps_repeated_at_another_context_the_kv_read_is_fitted_jointly():
+    rows = bench_rows(
+        TRUE, batch_sizes=BATCHES, context_lens=(256.0, 1024.0), noise=0.0, iterations=1, warmup_penalty=0.0
+    )
+    # Every decode step at one context per batch size: no pair, the joint fit reads it.
+    single = [r for r in rows if r.phase not in ("target", "verify") or (r.context_len == 256.0) == (r.batch_size < 16)]
+    cal = calibrate(single, warmup=0)
+    assert not any("repeated at a longer context" in n for n in cal.phases.target.fit.notes)
+    assert cal.phases.target.context_s_per_token == pytest.approx(TRUE.target.context_s_per_token, rel=0.05)
