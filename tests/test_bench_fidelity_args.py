@@ -9,6 +9,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def bench_fidelity(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "bench/bench_fidelity.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
 @pytest.mark.parametrize(
     ("option", "value", "why"),
     [
@@ -19,13 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 )
 def test_a_bad_option_is_refused_before_anything_runs(tmp_path, option, value, why):
     out = tmp_path / "out"
-    run = subprocess.run(
-        [sys.executable, "bench/bench_fidelity.py", option, value, "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = bench_fidelity(option, value, "--out", str(out))
     assert run.returncode == 2
     last = run.stderr.strip().splitlines()[-1]
     assert option in last and why in last and value in last
@@ -33,13 +33,7 @@ def test_a_bad_option_is_refused_before_anything_runs(tmp_path, option, value, w
 
 
 def test_recalibrate_needs_revalidate(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "bench/bench_fidelity.py", "--recalibrate", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = bench_fidelity("--recalibrate", str(tmp_path))
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].endswith("--recalibrate: only with --revalidate DIR")
 
@@ -52,20 +46,7 @@ def test_recalibrate_refuses_bench_csvs_the_calibration_was_not_made_from(tmp_pa
     for name in ("calibration.json", "load-agent.csv"):
         (work / name).write_bytes((stored / name).read_bytes())
     before = (work / "calibration.json").read_bytes()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "bench/bench_fidelity.py",
-            "--revalidate",
-            str(work),
-            "--recalibrate",
-            "bench/results/fidelity-h100",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = bench_fidelity("--revalidate", str(work), "--recalibrate", "bench/results/fidelity-h100")
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("bench_fidelity: bench/results/fidelity-h100: its bench CSVs") and "not the ones" in last
