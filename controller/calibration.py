@@ -878,7 +878,10 @@ def _fit_function(
     # the per-token cost; with one length it is folded into the token slope.
     use_attn = _independent(a, [x, n_pass, *([z] if use_ctx else []), *([q] if use_seq else [])])
     if not use_ctx:
-        notes.append("context term not identifiable (KV read does not vary independently of tokens); set to 0")
+        notes.append(
+            "context term not identifiable (KV read does not vary independently of tokens); set to 0: long contexts"
+            " are priced as the bench's, rerun sd-controller bench with --context-prompt-tokens 2048"
+        )
     if not use_seq:
         notes.append("per-sequence term not identifiable (sequences move with tokens); folded into the token slope")
     if not use_attn and np.any(a > 0):
