@@ -18,45 +18,18 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+from bench_fidelity import TRUTHS  # the truths by name (this script's folder is on the path)
 
 from controller import calibration as cal_mod
 from controller import model as model_mod
 from controller.queueing import stationary_law
-from controller.sim import fidelity, gpu
-from controller.sim.stepsim import SimResult, simulate
+from controller.sim.simserver import serve
+from controller.sim.stepsim import SimResult
 from controller.sim.truth_workloads import poisson_load
 from controller.validation import _alpha
 
-TRUTHS = {
-    "h100": fidelity.TruthServer(gpu=gpu.H100_SXM),
-    "a100-coarse": fidelity.TruthServer(gpu=gpu.A100_COARSE),
-    "l40s": fidelity.TruthServer(gpu=gpu.L40S, max_num_batched_tokens=2048),
-}
 WARMUP_FRACTION = 0.1  # as the load test: the first tenth fills the server
 MIN_STEPS = 50  # a batch size's decode steps shown when at least this many ran
-
-
-def run_truth(truth: fidelity.TruthServer, workload: str, gamma: int, rate: float, duration_s: float, seed: int):
-    spec = truth.spec(gamma)
-    rng = np.random.default_rng(seed)
-    reqs = poisson_load(rate, duration_s, workload, rng)
-    groups: dict[str, int] = {}
-    group = np.array([groups.setdefault(r.prefix_group, len(groups)) if r.prefix_group else -1 for r in reqs])
-    kinds = np.array([r.kind for r in reqs])
-    alpha = np.empty(len(reqs))
-    for kind in sorted(set(kinds.tolist())):
-        idx = np.flatnonzero(kinds == kind)
-        alpha[idx] = spec.alpha_class(kind).draw(rng, idx.size)
-    return simulate(
-        spec,
-        np.array([r.send_at_s for r in reqs]),
-        np.array([r.prompt_tokens for r in reqs]),
-        np.array([r.max_tokens for r in reqs]),
-        alpha,
-        rng,
-        prefix_group=group,
-        prefix_tokens=np.array([r.prefix_tokens for r in reqs]),
-    )
 
 
 def _mean_sd(law: np.ndarray) -> str:
@@ -85,7 +58,9 @@ def main() -> None:
     row = matches[0]
     curve = model_mod.curves(lm, _alpha(row) if row.sd else 0.5, max(gamma, 1), row.workload())[1 if gamma else 0]
 
-    res: SimResult = run_truth(TRUTHS[args.truth], args.workload, gamma, args.rate, args.duration, args.seed)
+    rng = np.random.default_rng(args.seed)
+    truth = TRUTHS[args.truth][0]
+    res: SimResult = serve(truth.spec(gamma), poisson_load(args.rate, args.duration, args.workload, rng), rng)
     kept = res.arrival_s >= WARMUP_FRACTION * args.duration
     ends = np.cumsum(res.step_s)
     late = ends > WARMUP_FRACTION * args.duration

@@ -59,18 +59,8 @@ class SimulatedServer:
         for i, r in enumerate(requests):
             if r.prompt_tokens < 1 or r.max_tokens < 1 or not r.send_at_s >= 0:
                 raise ProbeError(f"request {i}: prompt_tokens and max_tokens must be ≥ 1, send_at_s ≥ 0 (got {r})")
-        prefix = _prefix_arrays(requests)
-        sent = np.array([r.send_at_s for r in requests], dtype=np.float64)
-        prompt = np.array([r.prompt_tokens for r in requests], dtype=np.int64)
-        gen = np.array([r.max_tokens for r in requests], dtype=np.int64)
-        alpha = np.empty(len(requests))
-        kinds = np.array([r.kind for r in requests])
-        for kind in sorted(set(kinds.tolist())):  # sorted: the draws must not depend on set order
-            idx = np.flatnonzero(kinds == kind)
-            alpha[idx] = self.spec.alpha_class(kind).draw(self._rng, idx.size)
         try:
-            trace = np.array([r.trace for r in requests], dtype=bool)
-            res = simulate(self.spec, sent, prompt, gen, alpha, self._rng, trace if trace.any() else None, **prefix)
+            res = serve(self.spec, requests, self._rng)
         except (ValueError, RuntimeError) as e:
             raise ProbeError(f"simulated server: {e}") from e
         self._drafts += res.num_drafts
@@ -83,12 +73,34 @@ class SimulatedServer:
                 sent_s=float(res.arrival_s[i]),
                 first_token_s=float(res.first_token_s[i]),
                 done_s=float(res.finish_s[i]),
-                prompt_tokens=int(prompt[i]),
+                prompt_tokens=requests[i].prompt_tokens,
                 generated_tokens=int(res.generated_tokens[i]),
                 token_times_s=tuple(res.token_times.get(i, ())) if res.token_times else (),
             )
             for i in range(len(requests))
         ]
+
+
+def serve(spec: ServerSpec, requests: Sequence[ProbeRequest], rng: np.random.Generator) -> SimResult:
+    """Run these requests on the step simulation from an idle engine: each kind's acceptance
+    drawn from its class, a prefix group's requests sharing their first blocks."""
+    prefix = _prefix_arrays(requests)
+    alpha = np.empty(len(requests))
+    kinds = np.array([r.kind for r in requests])
+    for kind in sorted(set(kinds.tolist())):  # sorted: the draws must not depend on set order
+        idx = np.flatnonzero(kinds == kind)
+        alpha[idx] = spec.alpha_class(kind).draw(rng, idx.size)
+    trace = np.array([r.trace for r in requests], dtype=bool)
+    return simulate(
+        spec,
+        np.array([r.send_at_s for r in requests], dtype=np.float64),
+        np.array([r.prompt_tokens for r in requests], dtype=np.int64),
+        np.array([r.max_tokens for r in requests], dtype=np.int64),
+        alpha,
+        rng,
+        trace if trace.any() else None,
+        **prefix,
+    )
 
 
 def _prefix_arrays(requests: Sequence[ProbeRequest]) -> dict[str, np.ndarray]:
