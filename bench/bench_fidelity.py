@@ -11,6 +11,7 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
     python bench/bench_fidelity.py [--quick] [--out DIR] [--truth h100|a100-coarse|l40s] [--rates 1,2,4]
     python bench/bench_fidelity.py --revalidate bench/results/fidelity-h100   # same runs, this code's model
     python bench/bench_fidelity.py --revalidate DIR --recalibrate BENCH_DIR   # ... and this code's calibrate
+    python bench/bench_fidelity.py --reload DIR --truth a100-coarse [--seed 11]   # DIR's load tests, this code's
     python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
     python bench/bench_fidelity.py --truth a100-coarse --max-num-batched-tokens 2048   # vLLM's A100 default
 
@@ -24,13 +25,17 @@ fills before 256 sequences do).
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
+import io
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 
 from controller import calibration as cal_mod
+from controller.benchmark.loadtest import rate_rng
 from controller.commands.validate import to_dict
 from controller.errors import InputError
 from controller.sim import fidelity, gpu
@@ -89,9 +94,28 @@ def main() -> None:
         help="with --revalidate: first calibrate BENCH_DIR/bench-g*.csv with this code (the bench DIR's calibration"
         " was made from: the same source_sha256) and rewrite DIR/calibration.json",
     )
+    ap.add_argument(
+        "--reload",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run DIR's load tests again (its workloads, draft lengths, duration and rates, from its CSVs; --truth and"
+        " --seed as they were made) with this code's load test, check that every row both runs has the same"
+        " latencies, rewrite DIR/load-*.csv and re-validate (a change in what the load test records or flags)",
+    )
     args = ap.parse_args()
     if args.recalibrate is not None and args.revalidate is None:
         ap.error("--recalibrate: only with --revalidate DIR")
+    if args.reload is not None:
+        started = time.monotonic()
+        try:
+            _reload(args.reload, TRUTHS[args.truth][0], args.seed)
+            reports = _revalidate(args.reload)
+        except InputError as exc:
+            raise SystemExit(f"bench_fidelity: {exc}") from None
+        print(f"re-ran the load tests in {time.monotonic() - started:.1f} s: {args.reload}/")
+        _summarize(reports, args.reload)
+        return
     if args.revalidate is not None:
         started = time.monotonic()
         try:
@@ -160,6 +184,69 @@ def _recalibrate(workdir: Path, bench_dir: Path) -> None:
         where=str(bench_dir),
     )
     cal_mod.save(cal, workdir / "calibration.json")
+
+
+# What a rerun of the same load test must reproduce to the digit (all but the flag it may change).
+_REPRODUCED = ("mean_e2e_s", "mean_gen_tokens", "sent", "completed", "mean_e2e_first_half_s", "mean_e2e_second_half_s")
+
+
+def _typed_rates(path: Path, old: list[dict[str, str]], workload: str, duration: float, seed: int) -> tuple:
+    """The rates as the run that wrote ``old`` was given them: --rates gives floats, the truths'
+    defaults whole numbers as ints, and the two seed other arrivals (loadtest.rate_rng). Found
+    from the requests each row sent, which the workload alone decides."""
+    rates = sorted({float(r["rate"]) for r in old})
+    sent = {float(r["rate"]): int(r["sent"]) for r in old}
+    for typed in (rates, [int(r) if r.is_integer() else r for r in rates]):
+        make = fidelity.truth_requests(workload)
+        drawn = {float(rate): len(make(rate, duration, rate_rng(seed, i, rate))) for i, rate in enumerate(typed)}
+        if drawn == sent:
+            return tuple(typed)
+    raise InputError(f"{path}: no rates give the requests its rows sent with --seed {seed}: another seed?")
+
+
+def _reload(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
+    """Run ``workdir``'s load tests again with this code; rewrite its CSVs only when every row
+    both runs hold reproduces (the same truth and seed) and no rate runs that did not before."""
+    csvs = sorted(workdir.glob("load-*.csv"))
+    if not csvs:
+        raise InputError(f"{workdir}: no load-*.csv to run again")
+    budget = cal_mod.load(workdir / "calibration.json").latency_model().max_num_batched_tokens
+    if budget is not None:
+        truth = dataclasses.replace(truth, max_num_batched_tokens=budget)
+    fresh: dict[Path, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in csvs:
+            old = list(csv.DictReader(path.open(encoding="utf-8")))
+            gammas = tuple(dict.fromkeys(int(r["draft_length"]) for r in old))
+            durations = {float(r["duration_s"]) for r in old}
+            if len(durations) != 1:
+                raise InputError(f"{path}: rows of several durations ({sorted(durations)}): not one load test")
+            duration, workload = durations.pop(), path.stem.removeprefix("load-")
+            load = fidelity.LoadSettings(
+                rates=_typed_rates(path, old, workload, duration, seed),
+                duration_s=duration,
+                workloads=(workload,),
+                draft_lengths=gammas,
+                seed=seed,
+            )
+            fidelity.load_test(truth, load, load.workloads[0], Path(tmp))
+            text = (Path(tmp) / path.name).read_text(encoding="utf-8")
+            new = {(r["draft_length"], r["rate"]): r for r in csv.DictReader(io.StringIO(text))}
+            for r in old:
+                again = new.pop((r["draft_length"], r["rate"]), None)
+                if again is None:
+                    continue  # the new flag stopped that mode at a lower rate
+                moved = [c for c in _REPRODUCED if again[c] != r[c]]
+                if moved:
+                    raise InputError(
+                        f"{path}: γ={r['draft_length']} at {r['rate']} req/s did not reproduce ({moved[0]}"
+                        f" {r[moved[0]]} -> {again[moved[0]]}): another truth or --seed than it was made with?"
+                    )
+            if new:
+                raise InputError(f"{path}: the rerun ran rates the old one had not: {sorted(new)}")
+            fresh[path] = text
+    for path, text in fresh.items():  # nothing is rewritten unless every file reproduced
+        path.write_text(text, encoding="utf-8")
 
 
 def _revalidate(workdir: Path) -> dict[str, ValidationReport]:

@@ -1385,10 +1385,16 @@ def calibrate(
         schema_version=SCHEMA_VERSION, metadata=meta, serving=serving, moe=moe, phases=phases, uncertainty=unc
     )
     if load_rows:
+        # A saturated rate's mean is the test's length, not the server's: neither fitted nor checked.
+        steady = [r for r in load_rows if not r.saturated]
+        if not steady:
+            raise InputError(
+                f"load test: all {len(load_rows)} rows saturated; nothing steady to check the model against"
+            )
         correction = LoadCorrection()
         if correct:
-            correction = fit_load_correction(cal.latency_model(), load_rows)
+            correction = fit_load_correction(cal.latency_model(), steady)
             cal = cal.model_copy(update={"load_correction": correction})
-        check, _ = check_load_test(cal.latency_model(), load_rows, corrected=correct)
+        check, _ = check_load_test(cal.latency_model(), steady, corrected=correct)
         cal = cal.model_copy(update={"load_check": check})
     return cal

@@ -51,3 +51,45 @@ def test_recalibrate_refuses_bench_csvs_the_calibration_was_not_made_from(tmp_pa
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("bench_fidelity: bench/results/fidelity-h100: its bench CSVs") and "not the ones" in last
     assert (work / "calibration.json").read_bytes() == before
+
+
+def _one_row_dir(tmp_path: Path, stored: str = "fidelity-a100-coarse") -> Path:
+    """A result directory of a stored A100 calibration and its chat load test's first row."""
+    work = tmp_path / "runs"
+    work.mkdir()
+    stored = ROOT / "bench/results" / stored
+    (work / "calibration.json").write_bytes((stored / "calibration.json").read_bytes())
+    lines = (stored / "load-chat.csv").read_text(encoding="utf-8").splitlines(keepends=True)
+    assert lines[1].startswith("1,off,0,")  # SD off at 1 req/s, 30 minutes: a second to simulate
+    (work / "load-chat.csv").write_text(lines[0] + lines[1], encoding="utf-8")
+    return work
+
+
+@pytest.mark.parametrize("stored", ["fidelity-a100-coarse", "fidelity-a100-coarse-2k"])
+def test_reload_reproduces_the_rows_it_runs_again(tmp_path, stored):
+    # The first was run with --rates (1.0), the second with the truth's default rates (1): other arrivals.
+    work = _one_row_dir(tmp_path, stored)
+    before = (work / "load-chat.csv").read_text(encoding="utf-8")
+    run = bench_fidelity("--reload", str(work), "--truth", "a100-coarse")
+    assert run.returncode == 0, run.stderr
+    after = (work / "load-chat.csv").read_text(encoding="utf-8").splitlines()
+    # The same latencies, steady as before (a file older than the prefix-cache hits gains their column).
+    assert after[1] in (before.splitlines()[1], before.splitlines()[1] + ",0.00")
+    assert (work / "fidelity.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (("--truth", "h100"), "γ=0 at 1 req/s did not reproduce (mean_e2e_s 7.424060 -> "),
+        (("--truth", "a100-coarse", "--seed", "11"), "no rates give the requests its rows sent with --seed 11"),
+    ],
+)
+def test_reload_refuses_runs_another_truth_or_seed_made(tmp_path, args, why):
+    work = _one_row_dir(tmp_path)
+    before = (work / "load-chat.csv").read_bytes()
+    run = bench_fidelity("--reload", str(work), *args)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"bench_fidelity: {work}/load-chat.csv: {why}")
+    assert (work / "load-chat.csv").read_bytes() == before and not (work / "fidelity.json").exists()

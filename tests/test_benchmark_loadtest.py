@@ -141,3 +141,41 @@ def test_a_server_without_batch_gauges_leaves_the_context_empty():
     (row,) = loadtest.run_load(slow_server(), FIXED, plan())
     assert row.running_context_tokens is None
     assert load_csv([row]).splitlines()[1].endswith(",chat,6,,")
+
+
+def _ramp(n: int, start_s: float, apart_s: float, slope: float, base_s: float, jitter_s: float) -> list[float]:
+    """n latencies of requests sent over ``apart_s`` from ``start_s``: base + slope × t ± jitter."""
+    rng = random.Random(n)
+    return [base_s + slope * (start_s + apart_s * i / n) + rng.uniform(-jitter_s, jitter_s) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("per_half", "slope", "jitter_s", "climbs"),
+    [
+        (4000, 0.03, 20.0, True),  # 3 % past capacity: 81 → 105 s, only 1.3× but it climbs
+        (4000, 0.01, 20.0, False),  # a steady queue near capacity drifts slower than 2 %
+        (4000, 0.0, 20.0, False),
+        (4000, -0.03, 20.0, False),  # draining
+        (3, 0.03, 40.0, False),  # three requests a half: the rise is within their noise
+        (1, 0.5, 0.0, False),  # no spread to judge by
+    ],
+)
+def test_climbing_is_a_slope_beyond_the_noise(per_half, slope, jitter_s, climbs):
+    apart_s = 800.0
+    first = _ramp(per_half, 0.0, apart_s, slope, 60.0, jitter_s)
+    second = _ramp(per_half, apart_s, apart_s, slope, 60.0, jitter_s)
+    assert loadtest.climbing(first, second, apart_s) is climbs
+
+
+def test_a_slow_climb_under_one_and_a_half_times_is_saturated():
+    # As the A100 run this was found on (30 minutes at 1.06× capacity, halves 81 → 120 s): 80 → 117 s.
+    p = plan(duration_s=1800.0, drain_s=900.0)
+    sends = [180.0 + 1620.0 * i / 2000 for i in range(2000)]
+    e2e = [62.0 + 0.045 * (t - 180.0) for t in sends]
+    reqs = [ProbeRequest(t, 10, 20) for t in sends]
+    res = [ProbeResult(t, t + 0.1, t + d, 10, 20) for t, d in zip(sends, e2e, strict=True)]
+    row = loadtest.summarize(6.5, reqs, res, p, 4, 0.5)
+    assert row.mean_e2e_second_half_s < loadtest.SATURATION_GROWTH * row.mean_e2e_first_half_s
+    assert row.saturated
+    flat = [ProbeResult(t, t + 0.1, t + 62.0 + 0.005 * (t - 180.0), 10, 20) for t in sends]
+    assert not loadtest.summarize(6.5, reqs, flat, p, 4, 0.5).saturated

@@ -345,6 +345,22 @@ def test_load_test_check_and_correction(tmp_path):
     assert corrected.load_check.r2 >= corrected.load_check.paper_fit_r2 - 0.01
 
 
+def test_saturated_rows_are_neither_fitted_nor_checked(tmp_path):
+    rows = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.005, seed=11)
+    slower = replace(TRUE, scale_off=1.1, scale_on=1.1)
+    load_path = tmp_path / "load.csv"
+    write_load_csv(load_path, slower)
+    steady, _ = read_load_csv(load_path)
+    # A run past capacity: its mean is as long as the test ran, whatever the step costs.
+    over = replace(steady[0], rate=9.0, mean_e2e_s=500.0, saturated=True)
+    with_over = calibrate(rows, load_rows=[*steady, over], correct=True, max_num_batched_tokens=8192)
+    alone = calibrate(rows, load_rows=steady, correct=True, max_num_batched_tokens=8192)
+    assert with_over.load_correction == alone.load_correction and rel(alone.load_correction.scale_off, 1.1) < 0.02
+    assert with_over.load_check.n == len(steady)
+    with pytest.raises(InputError, match="load test: all 1 rows saturated; nothing steady"):
+        calibrate(rows, load_rows=[over], max_num_batched_tokens=8192)
+
+
 def test_bad_load_csv(tmp_path):
     p = tmp_path / "load.csv"
     p.write_text(",".join(cal_mod.LOAD_COLUMNS) + "\n1,maybe,4,0.5,1.0,512,256\n")

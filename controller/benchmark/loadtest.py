@@ -12,8 +12,12 @@ Per rate: means, spread and percentiles over requests sent after the warm-up (th
 of the duration, while the queue fills). ``acceptance_rate`` is vLLM's definition, Δaccepted /
 Δdraft tokens over the whole run (the counters cannot be split at the warm-up), empty with SD
 off. ``saturated`` = 1 when some request finished later than duration + drain limit, or the
-mean e2e latency of the second half of the measured window exceeds 1.5× the first half's (the
-queue is still growing: the rate is at or past capacity and the means depend on the duration).
+queue is still growing, so the rate is at or past capacity and the means depend on the duration:
+the mean e2e latency of the second half of the measured window exceeds 1.5× the first half's, or
+it climbs by more than 2 % of the time between the halves (a queue fed 2 % past its capacity
+climbs at that slope), by more than three standard errors. The ratio alone misses a queue that
+is only a few percent past capacity on long requests: at 1.06× an A100's capacity, 30 minutes
+of arrivals climbed from 81 to 120 s (1.48×), and its mean said nothing about the server.
 ``running_context_tokens`` is the KV context per running sequence over the measured window,
 from the batch gauges the server exported during the run (:mod:`controller.occupancy`), empty
 when it exported none. ``cached_prompt_tokens`` is Δvllm:prompt_tokens_cached_total / requests sent
@@ -50,6 +54,11 @@ MakeRequests = Callable[[float, float, random.Random], list[ProbeRequest]]
 
 WARMUP_FRACTION = 0.1
 SATURATION_GROWTH = 1.5  # second-half / first-half mean e2e above this: the queue is growing
+# ... or the mean climbs faster than this (seconds of latency per second of arrivals): where the
+# arrival rate is this fraction past capacity. Steady runs of the fidelity truths up to 0.97 of
+# their capacity climbed at most 1.5 %; runs past it, 2–5 %.
+SATURATION_SLOPE = 0.02
+SATURATION_SIGMAS = 3.0  # ... and by more than this many standard errors (a short run's noise)
 MAX_DURATION_S = 4 * 3600.0
 MAX_REQUESTS = 100_000
 DEFAULT_BLOCK_SIZE = 16  # vLLM's on GPUs, when cache_config_info does not say
@@ -134,6 +143,16 @@ def measured_context(
     )
 
 
+def climbing(first: Sequence[float], second: Sequence[float], apart_s: float) -> bool:
+    """Whether the latencies of the second half climbed from the first's faster than
+    SATURATION_SLOPE over ``apart_s`` seconds of arrivals, beyond their sampling noise."""
+    if len(first) < 2 or len(second) < 2 or apart_s <= 0:
+        return False
+    rise = statistics.fmean(second) - statistics.fmean(first)
+    noise = math.sqrt(statistics.variance(first) / len(first) + statistics.variance(second) / len(second))
+    return rise > SATURATION_SLOPE * apart_s and rise > SATURATION_SIGMAS * noise
+
+
 def summarize(
     rate: float,
     requests: Sequence[ProbeRequest],
@@ -154,7 +173,11 @@ def summarize(
     deadline_s = plan.duration_s + plan.drain_s
     completed = sum(1 for r in results if r.done_s <= deadline_s)
     first_mean, second_mean = _mean(first), _mean(second)
-    growing = bool(first) and bool(second) and second_mean > SATURATION_GROWTH * first_mean
+    growing = (
+        bool(first)
+        and bool(second)
+        and (second_mean > SATURATION_GROWTH * first_mean or climbing(first, second, (plan.duration_s - warm_s) / 2))
+    )
     gen = [float(r.generated_tokens) for r in measured]
     prompt = [float(r.prompt_tokens) for r in measured]
     return LoadRow(
@@ -195,6 +218,12 @@ def cached_per_request(rate: float, before: ServerCounters, after: ServerCounter
     return delta / sent
 
 
+def rate_rng(seed: int, index: int, rate: float) -> random.Random:
+    """The workload's random source at the index-th rate of a plan (a rate given as 1 or 1.0 seeds
+    other arrivals: its repr is part of the seed)."""
+    return random.Random(f"{seed}:{index}:{rate!r}")
+
+
 def run_load(
     server: BenchServer,
     make_requests: MakeRequests,
@@ -209,7 +238,7 @@ def run_load(
     gamma = info.draft_length
     rows: list[LoadRow] = []
     for index, rate in enumerate(sorted(plan.rates)):
-        rng = random.Random(f"{plan.seed}:{index}:{rate!r}")
+        rng = rate_rng(plan.seed, index, rate)
         requests = sorted(make_requests(rate, plan.duration_s, rng), key=lambda r: r.send_at_s)
         if not requests:
             raise ProbeError(f"rate {rate:g}: the workload produced no requests in {plan.duration_s:g} s")

@@ -11,6 +11,7 @@ CSV and compared by :func:`controller.validation.validate`.
 
 from __future__ import annotations
 
+import random
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +21,9 @@ import numpy as np
 
 from controller import calibration as cal_mod
 from controller.benchmark import csvio
-from controller.benchmark.loadtest import LoadPlan, run_load
+from controller.benchmark.loadtest import LoadPlan, MakeRequests, run_load
 from controller.benchmark.micro import MicroPlan, run_micro
+from controller.benchmark.probe import ProbeRequest
 from controller.sim.gpu import H100_SXM, LLAMA_3_1_8B, LLAMA_3_2_1B, GpuSpec, ModelSpec
 from controller.sim.simserver import SimulatedServer
 from controller.sim.stepsim import ServerSpec
@@ -138,6 +140,15 @@ def measure_and_calibrate(
     )
 
 
+def truth_requests(workload: str) -> MakeRequests:
+    """A truth workload (truth_workloads.poisson_load) as a load test's ``make_requests``."""
+
+    def make(rate: float, duration: float, rng: random.Random) -> list[ProbeRequest]:
+        return poisson_load(rate, duration, workload, np.random.default_rng(rng.randrange(2**32)))
+
+    return make
+
+
 def load_test(
     truth: TruthServer, load: LoadSettings, workload: str, workdir: Path, log: Callable[[str], None] | None = None
 ) -> list[cal_mod.LoadRow]:
@@ -153,11 +164,7 @@ def load_test(
             seed=load.seed,
             max_requests=100_000,
         )
-
-        def make(rate, duration, rng, _w=workload):
-            return poisson_load(rate, duration, _w, np.random.default_rng(rng.randrange(2**32)))
-
-        rows_all.extend(run_load(server, make, plan))
+        rows_all.extend(run_load(server, truth_requests(workload), plan))
         if log:
             log(f"load {workload} γ={gamma}: {len(rows_all)} rows so far")
     path = workdir / f"load-{workload}.csv"
