@@ -260,7 +260,7 @@ def _revalidate(workdir: Path) -> dict[str, ValidationReport]:
 
 
 def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
-    errors, worst, flagged, limits, bes = [], 0.0, True, [], []
+    errors, worst, flagged, limits, bes, capacities = [], 0.0, True, [], [], []
     for workload, rep in reports.items():
         print(f"\n{workload}:")
         for m in rep.modes:
@@ -273,9 +273,12 @@ def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
                 f"{f' (+{m.metastable_runs} metastable)' if m.metastable_runs else ''}  limit predicted {m.limit_predicted_rps:.2f}"
                 f"{'' if m.limit_cache_fill_rps is None else f'-{m.limit_cache_fill_rps:.2f}'} ({m.limit_reason})"
                 f" measured ({lo}, {hi})"
+                + ("" if m.limit_served_rps is None else f" served {m.limit_served_rps:.2f} ({m.capacity_error:+.1%})")
             )
             if m.limit_error is not None:
                 limits.append(abs(m.limit_error))
+            if m.capacity_error is not None:
+                capacities.append(abs(m.capacity_error))
         for be in rep.break_even:
             print(f"  break-even γ={be.draft_length}: predicted {be.predicted_rps} measured {be.measured_rps}")
             if be.error is not None:
@@ -287,7 +290,8 @@ def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
     print(
         f"\nall workloads: {len(errors)} steady runs, mean |error| {mae * 100:.1f} %, worst {worst * 100:.1f} %;"
         f" every saturated run flagged: {'yes' if flagged else 'NO'}; worst stability-limit error"
-        f" {max(limits, default=0) * 100:.1f} %; worst break-even error {max(bes, default=0) * 100:.1f} %"
+        f" {max(limits, default=0) * 100:.1f} %; worst break-even error {max(bes, default=0) * 100:.1f} %;"
+        f" worst limit error against what a saturated rate served {max(capacities, default=0) * 100:.1f} %"
     )
     report = {w: to_dict(r) for w, r in reports.items()}
     (out / "fidelity.json").write_text(json.dumps(report, indent=2, allow_nan=False))

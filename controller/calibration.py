@@ -48,6 +48,7 @@ LOAD_OPTIONAL_COLUMNS = (
     "warmup_s",
     "running_context_tokens",
     "cached_prompt_tokens",
+    "served_rps",
 )
 DEFAULT_WARMUP = 10
 MIN_BATCH_SIZES = 3
@@ -368,6 +369,9 @@ class LoadRow:
     # Prompt tokens per request served from the prefix cache (vllm:prompt_tokens_cached_total
     # over the run); None: not recorded (priced as no hits).
     cached_prompt_tokens: float | None = None
+    # Requests finished per second inside the measured window (at a saturated rate: the
+    # server's capacity); None: not recorded.
+    served_rps: float | None = None
 
     def workload(self) -> Workload:
         """The request shape the run measured, as the model takes it."""
@@ -503,10 +507,11 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
             "warmup_s",
             "running_context_tokens",
             "cached_prompt_tokens",
+            "served_rps",
         ):
             cell = (r.get(col) or "").strip()
             opt[col] = _number(p, line, col, cell) if cell else None
-        for col in ("gen_tokens_std", "prompt_tokens_std", "cached_prompt_tokens"):
+        for col in ("gen_tokens_std", "prompt_tokens_std", "cached_prompt_tokens", "served_rps"):
             if (opt[col] or 0.0) < 0:
                 raise InputError(f"{p}:{line}: column {col}: {opt[col]:g} is negative")
         context = opt["running_context_tokens"]
@@ -543,6 +548,7 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 warmup,
                 context,
                 opt["cached_prompt_tokens"],
+                opt["served_rps"],
             )
         )
     return rows, digest

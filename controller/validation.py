@@ -76,6 +76,11 @@ class ModeSummary:
     # [limit_predicted_rps, this]. None without such a band.
     limit_cache_fill_rps: float | None = None
     metastable_runs: int = 0  # steady runs inside that band (called overloaded, not counted false)
+    # What the server finished per second at the lowest saturated rate (its queue never emptied:
+    # its capacity), None where not recorded; and the predicted limit's (or band's) relative
+    # distance from it.
+    limit_served_rps: float | None = None
+    capacity_error: float | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,8 @@ def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSumm
         saturated = [c for c in group if c.measured_saturated]
         band_lo, band_hi = curve.metastable_band_rps
         fill = band_hi if band_hi > band_lo else None
+        first = min(saturated, key=lambda c: c.row.rate, default=None)
+        served = None if first is None else first.row.served_rps
         out.append(
             ModeSummary(
                 mode=group[0].mode,
@@ -194,6 +201,8 @@ def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSumm
                 limit_reason=curve.limit_reason,
                 limit_cache_fill_rps=fill,
                 metastable_runs=sum(c.metastable and not c.measured_saturated for c in group),
+                limit_served_rps=served,
+                capacity_error=None if not served else _limit_error(limit, (served, served), fill),
             )
         )
     return out

@@ -52,6 +52,9 @@ def test_overload_is_saturated_and_stops_the_rates():
     over = rows[1]
     assert over.completed == over.sent  # the huge drain limit: only the growing queue says saturated
     assert over.mean_e2e_second_half_s > 1.5 * over.mean_e2e_first_half_s  # the queue keeps growing
+    # Served: what the server finishes with its queue full, not the 20 req/s sent; at 1 req/s, all of it.
+    assert over.served_rps < 0.6 * 20
+    assert rows[0].served_rps == pytest.approx(rows[0].sent / 30, rel=0.25)
     assert warnings == ["rate 20 saturated the server; skipping 40"]
 
 
@@ -106,18 +109,23 @@ def test_summarize_percentiles_and_halves():
     assert (row.mean_e2e_first_half_s, row.mean_e2e_second_half_s) == (1.5, 3.5)
     assert row.saturated  # 3.5 > 1.5 × 1.5
     assert (row.sent, row.completed) == (5, 5)
+    # Finished inside [10, 100): 21, 42, 63 and 84 s (5 + 50 = 55 s too, sent in the warm-up).
+    assert row.served_rps == pytest.approx(5 / 90)
 
 
 def test_load_csv_keeps_the_old_columns_first():
     row = LoadRow(2, True, 4, 0.61234, 1.5, 64, 32, 3.5, 10, 600, 1190, 1190, 1.4, 2.2, 1.45, 1.55, False, "chat")
-    off = LoadRow(8, False, 0, None, 9.0, 64, 32, 0, 0, 600, 4800, 4700, 8, 15, 5, 12, True, "chat", 60, 1234.56)
+    off = LoadRow(
+        8, False, 0, None, 9.0, 64, 32, 0, 0, 600, 4800, 4700, 8, 15, 5, 12, True, "chat", 60, 1234.56, None, 7.51234
+    )
     assert load_csv([row, off]).splitlines() == [
         "rate,sd,draft_length,acceptance_rate,mean_e2e_s,mean_prompt_tokens,mean_gen_tokens,"
         "gen_tokens_std,prompt_tokens_std,duration_s,sent,completed,e2e_p50_s,e2e_p90_s,"
         "mean_e2e_first_half_s,mean_e2e_second_half_s,saturated,workload,warmup_s,running_context_tokens,"
-        "cached_prompt_tokens",
-        "2,on,4,0.6123,1.500000,64.00,32.00,3.50,10.00,600,1190,1190,1.400000,2.200000,1.450000,1.550000,0,chat,0,,",
-        "8,off,0,,9.000000,64.00,32.00,0.00,0.00,600,4800,4700,8.000000,15.000000,5.000000,12.000000,1,chat,60,1234.6,",
+        "cached_prompt_tokens,served_rps",
+        "2,on,4,0.6123,1.500000,64.00,32.00,3.50,10.00,600,1190,1190,1.400000,2.200000,1.450000,1.550000,0,chat,0,,,",
+        "8,off,0,,9.000000,64.00,32.00,0.00,0.00,600,4800,4700,8.000000,15.000000,5.000000,12.000000,1,chat,60,1234.6,,"
+        "7.5123",
     ]
 
 
@@ -140,7 +148,7 @@ def test_the_running_context_comes_from_the_gauges_of_the_measured_window():
 def test_a_server_without_batch_gauges_leaves_the_context_empty():
     (row,) = loadtest.run_load(slow_server(), FIXED, plan())
     assert row.running_context_tokens is None
-    assert load_csv([row]).splitlines()[1].endswith(",chat,6,,")
+    assert load_csv([row]).splitlines()[1].endswith(f",chat,6,,,{row.served_rps:.4f}")
 
 
 def _ramp(n: int, start_s: float, apart_s: float, slope: float, base_s: float, jitter_s: float) -> list[float]:

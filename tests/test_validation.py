@@ -248,6 +248,20 @@ def test_bracket_uses_highest_steady_and_lowest_saturated_rate_in_any_order():
     assert mode.limit_error == 0.0  # 6.2 is inside
 
 
+def test_capacity_is_what_the_lowest_saturated_rate_served():
+    limit = off_limit()  # 6.2
+    served = replace(row(6.5, False, 50.0, saturated=True), served_rps=5.9)
+    later = replace(row(8.0, False, 90.0, saturated=True), served_rps=5.0)
+    (mode,) = validate(MODEL, [row(2.0, False, 1.0), later, served]).modes
+    assert mode.limit_error == 0.0  # inside the bracket (2, 6.5) ...
+    assert mode.limit_served_rps == 5.9  # ... but 5 % past what the server managed
+    assert mode.capacity_error == pytest.approx((limit - 5.9) / 5.9, rel=1e-12)
+    # Not recorded (an older CSV), or nothing saturated: no capacity to compare with.
+    (old,) = validate(MODEL, [row(2.0, False, 1.0), row(6.5, False, 50.0, saturated=True)]).modes
+    (steady,) = validate(MODEL, [replace(row(2.0, False, 1.0), served_rps=2.0)]).modes
+    assert old.limit_served_rps is old.capacity_error is steady.limit_served_rps is steady.capacity_error is None
+
+
 def test_unrecorded_saturation_counts_as_steady():
     (mode,) = validate(MODEL, [row(1.0, False, 1.0), row(2.0, False, 1.0, saturated=None)]).modes
     assert mode.saturated_runs == 0

@@ -35,6 +35,7 @@ LOAD_COLUMNS = (
     "warmup_s",
     "running_context_tokens",
     "cached_prompt_tokens",
+    "served_rps",
 )
 
 
@@ -80,6 +81,9 @@ class LoadRow:
     # Prompt tokens per request served from the prefix cache (Δvllm:prompt_tokens_cached_total /
     # requests sent); None: the server does not export the counter.
     cached_prompt_tokens: float | None = None
+    # Requests finished per second inside the measured window: the rate while steady, the
+    # server's capacity where the queue never emptied (a saturated rate). None: not recorded.
+    served_rps: float | None = None
 
 
 def _render(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -137,6 +141,7 @@ def load_csv(rows: Sequence[LoadRow]) -> str:
                 f"{r.warmup_s:g}",
                 "" if r.running_context_tokens is None else f"{r.running_context_tokens:.1f}",
                 "" if r.cached_prompt_tokens is None else f"{r.cached_prompt_tokens:.2f}",
+                "" if r.served_rps is None else f"{r.served_rps:.4f}",
             )
             for r in rows
         ],

@@ -22,7 +22,10 @@ of arrivals climbed from 81 to 120 s (1.48×), and its mean said nothing about t
 from the batch gauges the server exported during the run (:mod:`controller.occupancy`), empty
 when it exported none. ``cached_prompt_tokens`` is Δvllm:prompt_tokens_cached_total / requests sent
 (the counter cannot be split at the warm-up either): the mean prompt tokens a request found in the
-prefix cache, empty when the server does not export it.
+prefix cache, empty when the server does not export it. ``served_rps`` is the requests that
+finished inside the measured window per second of it: the arrival rate while the server keeps
+up, and its capacity at a saturated rate (the queue never empties, so the server finishes
+requests as fast as it can).
 Rates run in ascending order and stop after the first saturated one: a higher rate would only
 queue longer.
 """
@@ -202,6 +205,7 @@ def summarize(
         warmup_s=warm_s,
         running_context_tokens=running_context,
         cached_prompt_tokens=cached_prompt_tokens,
+        served_rps=sum(1 for r in results if warm_s <= r.done_s < plan.duration_s) / (plan.duration_s - warm_s),
     )
 
 

@@ -246,7 +246,10 @@ def run(args: argparse.Namespace) -> int:
                 server,
                 workload,
                 load,
-                lambda r: note(f"rate {r.rate:g}: mean e2e {r.mean_e2e_s:.3f} s, saturated {int(r.saturated)}"),
+                lambda r: note(
+                    f"rate {r.rate:g}: mean e2e {r.mean_e2e_s:.3f} s, saturated {int(r.saturated)}"
+                    + (f" (served {r.served_rps:.3g} req/s: the server's capacity)" if r.saturated else "")
+                ),
                 warn=note,
             )
             text = load_csv(rows)

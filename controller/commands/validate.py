@@ -74,6 +74,8 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 "limit_error": m.limit_error,
                 "limit_reason": m.limit_reason,
                 "limit_cache_fill_rps": m.limit_cache_fill_rps,
+                "limit_served_rps": m.limit_served_rps,
+                "capacity_error": m.capacity_error,
                 "metastable_runs": m.metastable_runs,
             }
             for m in report.modes
@@ -134,6 +136,8 @@ def print_report(report: ValidationReport, console: Console) -> None:
         "limit predicted",
         "limit measured",
         "limit error",
+        "served when saturated",
+        "capacity error",
         "limit set by",
     ):
         m.add_column(col, justify="right", no_wrap=col == "limit set by")
@@ -145,7 +149,9 @@ def print_report(report: ValidationReport, console: Console) -> None:
             f"{s.saturated_flagged}/{s.saturated_runs}", str(s.false_overloads),
             f"{s.limit_predicted_rps:.2f}" + ("" if s.limit_cache_fill_rps is None else f"-{s.limit_cache_fill_rps:.2f}"),
             measured,
-            _pct(s.limit_error), s.limit_reason,
+            _pct(s.limit_error),
+            "-" if s.limit_served_rps is None else f"{s.limit_served_rps:.2f}", _pct(s.capacity_error),
+            s.limit_reason,
         )  # fmt: skip
     console.print(m)
     if report.break_even:

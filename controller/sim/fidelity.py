@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,25 +193,3 @@ def run(
             out.load_rows[workload] = rows
             out.reports[workload] = validate(model, rows)
         return out
-
-
-def summary_lines(run_: FidelityRun) -> Sequence[str]:
-    """One line per workload: mean and worst error, saturated runs flagged, break-even errors."""
-    lines = []
-    for workload, rep in run_.reports.items():
-        mae, worst = rep.mean_abs_error, rep.worst_abs_error
-        limits = ", ".join(
-            f"{m.mode} limit {m.limit_predicted_rps:.2f} (measured {m.limit_measured_rps[0]}-{m.limit_measured_rps[1]})"
-            for m in rep.modes
-        )
-        bes = ", ".join(
-            f"γ={b.draft_length} be {b.predicted_rps if b.predicted_rps is None else round(b.predicted_rps, 2)}"
-            f" vs {b.measured_rps if b.measured_rps is None else round(b.measured_rps, 2)}"
-            for b in rep.break_even
-        )
-        lines.append(
-            f"{workload}: MAE {mae * 100 if mae is not None else float('nan'):.1f} %, worst "
-            f"{worst * 100 if worst is not None else float('nan'):.1f} %, saturated flagged "
-            f"{'all' if rep.saturated_all_flagged else 'NOT all'}; {limits}; {bes}"
-        )
-    return lines
