@@ -196,8 +196,8 @@ def _typed_rates(path: Path, old: list[dict[str, str]], workload: str, duration:
     from the requests each row sent, which the workload alone decides."""
     rates = sorted({float(r["rate"]) for r in old})
     sent = {float(r["rate"]): int(r["sent"]) for r in old}
+    make = fidelity.truth_requests(workload)
     for typed in (rates, [int(r) if r.is_integer() else r for r in rates]):
-        make = fidelity.truth_requests(workload)
         drawn = {float(rate): len(make(rate, duration, rate_rng(seed, i, rate))) for i, rate in enumerate(typed)}
         if drawn == sent:
             return tuple(typed)
