@@ -313,11 +313,13 @@ class Workload:
 
     @property
     def held_context_tokens(self) -> float:
-        """KV tokens the average running sequence adds to the cache: its context less the
-        cached prefix, whose blocks every request of the prefix shares (held once); measured,
-        vLLM's KV usage per running sequence itself (the prefixes in use included)."""
-        if self.running_context_tokens is not None:
-            return max(float(self.running_context_tokens) - self.cached_tokens, 1.0)
+        """KV tokens the average running sequence adds to a full cache: its context (capped
+        as above) less the cached prefix, whose blocks every request of the prefix shares.
+
+        Not the KV usage per running sequence as measured: that spreads each prefix in use over
+        the sequences running then, a few at a light load, where the bound asks for a full
+        cache's many (a prefix's one copy is left out: a few system prompts against 10⁵ tokens).
+        """
         return max(self.mean_context_tokens - self.cached_tokens, 1.0)
 
     @property

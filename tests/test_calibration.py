@@ -327,13 +327,16 @@ def write_load_csv(path, model, scale=1.0):
                 w.writerow([rate, sd, 4, float(vllm_rate_from_alpha(0.7, 4)), lat * scale, 512, 256])
 
 
-def test_load_test_check_and_correction(tmp_path):
+def _slower_under_load(tmp_path):
+    """The bench's rows, and load-test rows of a server 10% slower per step than they say."""
     rows = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.005, seed=11)
-    # The server under load is 10% slower per step than the micro-benchmark says.
-    slower = replace(TRUE, scale_off=1.1, scale_on=1.1)
     load_path = tmp_path / "load.csv"
-    write_load_csv(load_path, slower)
-    load_rows, _ = read_load_csv(load_path)
+    write_load_csv(load_path, replace(TRUE, scale_off=1.1, scale_on=1.1))
+    return rows, read_load_csv(load_path)[0]
+
+
+def test_load_test_check_and_correction(tmp_path):
+    rows, load_rows = _slower_under_load(tmp_path)
     checked = calibrate(rows, load_rows=load_rows, max_num_batched_tokens=8192)
     assert checked.load_check.mean_abs_pct_error > 5  # off by the missing 10%
     corrected = calibrate(rows, load_rows=load_rows, correct=True, max_num_batched_tokens=8192)
@@ -346,11 +349,7 @@ def test_load_test_check_and_correction(tmp_path):
 
 
 def test_saturated_rows_are_neither_fitted_nor_checked(tmp_path):
-    rows = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.005, seed=11)
-    slower = replace(TRUE, scale_off=1.1, scale_on=1.1)
-    load_path = tmp_path / "load.csv"
-    write_load_csv(load_path, slower)
-    steady, _ = read_load_csv(load_path)
+    rows, steady = _slower_under_load(tmp_path)
     # A run past capacity: its mean is as long as the test ran, whatever the step costs.
     over = replace(steady[0], rate=9.0, mean_e2e_s=500.0, saturated=True)
     with_over = calibrate(rows, load_rows=[*steady, over], correct=True, max_num_batched_tokens=8192)

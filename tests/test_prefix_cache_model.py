@@ -108,8 +108,8 @@ def test_a_measured_context_with_hits_is_capped_by_the_lengths():
     lengths = Workload(2100, 280, 280, cached_prompt_tokens=1500).mean_context_tokens
     inflated = Workload(2100, 280, 280, cached_prompt_tokens=1500, running_context_tokens=lengths + 800)
     assert inflated.mean_context_tokens == pytest.approx(lengths)
-    # ...while the KV bound keeps what the cache really holds per sequence.
-    assert inflated.held_context_tokens == pytest.approx(lengths + 800 - 1500)
+    # ...and so is the KV bound's: a full cache spreads the prefixes over its many sequences.
+    assert inflated.held_context_tokens == pytest.approx(lengths - 1500)
     # Below the lengths' value (short answers to long prompts) the measurement stands.
     short = Workload(2100, 280, 280, cached_prompt_tokens=1500, running_context_tokens=lengths - 300)
     assert short.mean_context_tokens == pytest.approx(lengths - 300)
