@@ -29,7 +29,6 @@ from controller.sim import truth_workloads as tw
 from controller.sim.simserver import serve
 
 WARMUP_FRACTION = 0.4  # the window starts once the cache has had time to fill
-BLOCK_SIZE = 16
 
 
 def _case(text: str) -> tuple[int, int, list[float]]:
@@ -60,10 +59,8 @@ def main() -> None:
     kv = spec.kv_tokens()
     print(f"{args.truth}, SD off, KV cache {kv} tokens, {args.duration:.0f} s per rate, calibration {path}")
     for groups, tokens, rates in cases:
-        chat = tw.WorkloadClass(
-            "chat", prompt_mean_tokens=600, prompt_sigma=0.6, gen_mean_tokens=280, gen_shape=2.0,
-            prefix_tokens=tokens, prefix_groups=groups,
-        )  # fmt: skip
+        # The fidelity bench's system_prompt chat, behind more and longer prefixes.
+        chat = dataclasses.replace(tw.SYSTEM_PROMPT, prefix_tokens=tokens, prefix_groups=groups)
         mix = tw.Mix(f"{groups}x{tokens}", ((chat, 1.0),))
         print(f"\n{groups} prefixes of {tokens} tokens ({groups * tokens / kv:.0%} of the cache)")
         for rate in rates:
@@ -76,7 +73,7 @@ def main() -> None:
             running = float(np.average(res.step_running[inside], weights=w))
             usage = float(np.average(res.step_kv_tokens[inside], weights=w)) / kv
             hits = res.num_cached_tokens / len(requests)
-            ctx = running_context_tokens(usage, float(kv), running, BLOCK_SIZE, hits)
+            ctx = running_context_tokens(usage, float(kv), running, spec.block_size, hits)
             served = np.count_nonzero((res.finish_s >= lo) & (res.finish_s < hi)) / (hi - lo)
             wl = Workload(
                 float(res.prompt_tokens.mean()), float(res.generated_tokens.mean()),
