@@ -12,6 +12,7 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
     python bench/bench_fidelity.py --revalidate bench/results/fidelity-h100   # same runs, this code's model
     python bench/bench_fidelity.py --revalidate DIR --recalibrate BENCH_DIR   # ... and this code's calibrate
     python bench/bench_fidelity.py --reload DIR --truth a100-coarse [--seed 11]   # DIR's load tests, this code's
+    python bench/bench_fidelity.py --replicate DIR --truth a100-coarse --seeds 101,102 [--from-fraction 0.7]
     python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
     python bench/bench_fidelity.py --truth a100-coarse --max-num-batched-tokens 2048   # vLLM's A100 default
 
@@ -20,6 +21,12 @@ A100_COARSE: another GPU, 128-token GEMM tiles, a slower host); its load tests d
 rates around its capacity. ``--truth l40s`` is a third (gpu.py's L40S run with vLLM's defaults
 for a 48 GB card: a 2048-token step budget, so long prompts span steps, and a KV cache that
 fills before 256 sequences do).
+
+Near a limit one run's mean is one draw of a queue that remembers its bursts for minutes (±5–10 %
+from arrival seed to arrival seed at 0.9 of capacity). ``--replicate`` runs DIR's load tests again
+on other arrival seeds (each mode's rates from ``--from-fraction`` of its highest) into
+DIR/replicates/seed<S>/load-<workload>.csv; ``--revalidate`` and the rest then pool the runs at
+one rate (controller.validation) and report per rate as well as per run.
 """
 
 from __future__ import annotations
@@ -103,9 +110,45 @@ def main() -> None:
         " --seed as they were made) with this code's load test, check that every row both runs has the same"
         " latencies, rewrite DIR/load-*.csv and re-validate (a change in what the load test records or flags)",
     )
+    ap.add_argument(
+        "--replicate",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run DIR's load tests again on the arrival seeds --seeds (DIR/replicates/seed<S>/), then re-validate"
+        " DIR pooling the runs at one rate",
+    )
+    ap.add_argument("--seeds", default=None, help="with --replicate: arrival seeds, comma-separated")
+    ap.add_argument(
+        "--from-fraction",
+        type=float,
+        default=0.0,
+        help="with --replicate: only each mode's rates from this fraction of its highest rate in DIR (where a run's"
+        " noise is)",
+    )
     args = ap.parse_args()
     if args.recalibrate is not None and args.revalidate is None:
         ap.error("--recalibrate: only with --revalidate DIR")
+    if (args.seeds is None) != (args.replicate is None):
+        ap.error("--replicate DIR and --seeds go together")
+    if args.replicate is not None:
+        try:
+            seeds = tuple(int(x) for x in args.seeds.split(","))
+        except ValueError:
+            ap.error(f"--seeds: not a comma-separated list of integers: {args.seeds!r}")
+        if not 0.0 <= args.from_fraction <= 1.0:
+            ap.error(f"--from-fraction: a fraction in [0, 1], got {args.from_fraction:g}")
+        started = time.monotonic()
+        try:
+            _replicate(args.replicate, TRUTHS[args.truth][0], seeds, args.from_fraction)
+            reports = _revalidate(args.replicate)
+        except InputError as exc:
+            raise SystemExit(f"bench_fidelity: {exc}") from None
+        print(
+            f"replicated the load tests on seeds {args.seeds} in {time.monotonic() - started:.1f} s: {args.replicate}/"
+        )
+        _summarize(reports, args.replicate)
+        return
     if args.reload is not None:
         started = time.monotonic()
         try:
@@ -249,18 +292,64 @@ def _reload(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
         path.write_text(text, encoding="utf-8")
 
 
+def _replicate(workdir: Path, truth: fidelity.TruthServer, seeds: tuple[int, ...], from_fraction: float) -> None:
+    """``workdir``'s load tests on other arrival seeds, each mode from ``from_fraction`` of its
+    highest rate, into ``workdir/replicates/seed<S>/load-<workload>.csv`` (written whole, per file)."""
+    csvs = sorted(workdir.glob("load-*.csv"))
+    if not csvs:
+        raise InputError(f"{workdir}: no load-*.csv to replicate")
+    budget = cal_mod.load(workdir / "calibration.json").latency_model().max_num_batched_tokens
+    if budget is not None:
+        truth = dataclasses.replace(truth, max_num_batched_tokens=budget)
+    for path in csvs:
+        old = list(csv.DictReader(path.open(encoding="utf-8")))
+        durations = {float(r["duration_s"]) for r in old}
+        if len(durations) != 1:
+            raise InputError(f"{path}: rows of several durations ({sorted(durations)}): not one load test")
+        duration, workload = durations.pop(), path.stem.removeprefix("load-")
+        by_gamma: dict[int, list[float]] = {}
+        for r in old:
+            by_gamma.setdefault(int(r["draft_length"]), []).append(float(r["rate"]))
+        for seed in seeds:
+            parts = []
+            with tempfile.TemporaryDirectory() as tmp:
+                for gamma, rates in by_gamma.items():
+                    top = max(rates)
+                    load = fidelity.LoadSettings(
+                        rates=tuple(r for r in rates if r >= from_fraction * top),
+                        duration_s=duration,
+                        workloads=(workload,),
+                        draft_lengths=(gamma,),
+                        seed=seed,
+                    )
+                    fidelity.load_test(truth, load, workload, Path(tmp))
+                    parts.append((Path(tmp) / path.name).read_text(encoding="utf-8").splitlines())
+            out = workdir / "replicates" / f"seed{seed}" / path.name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("\n".join([parts[0][0], *(line for part in parts for line in part[1:])]) + "\n")
+
+
 def _revalidate(workdir: Path) -> dict[str, ValidationReport]:
+    """Each workload's load test (with its replicates on other seeds, if any) against the calibration."""
     model = cal_mod.load(workdir / "calibration.json").latency_model()
     csvs = sorted(workdir.glob("load-*.csv"))
     if not csvs:
         raise InputError(f"{workdir}: no load-*.csv to re-validate")
     order = {w: i for i, w in enumerate(fidelity.LoadSettings.workloads)}
     named = sorted(((p.stem.removeprefix("load-"), p) for p in csvs), key=lambda x: (order.get(x[0], len(order)), x[0]))
-    return {w: validate(model, cal_mod.read_load_csv(p)[0]) for w, p in named}
+    reports = {}
+    for w, p in named:
+        rows = cal_mod.read_load_csv(p)[0]
+        for extra in sorted(workdir.glob(f"replicates/seed*/{p.name}")):
+            rows += cal_mod.read_load_csv(extra)[0]
+        reports[w] = validate(model, rows)
+    return reports
 
 
 def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
     errors, worst, flagged, limits, bes, capacities = [], 0.0, True, [], [], []
+    run_errors: list[float] = []
+    replicated = any(rep.replicated for rep in reports.values())
     for workload, rep in reports.items():
         print(f"\n{workload}:")
         for m in rep.modes:
@@ -268,7 +357,7 @@ def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
             mae = "-" if m.mean_abs_error is None else f"{m.mean_abs_error * 100:.1f} %"
             worst_m = "-" if m.worst_error is None else f"{m.worst_error * 100:+.1f} %"
             print(
-                f"  {m.mode:8s} runs {m.runs:2d}  mean |error| {mae:>7s}  worst {worst_m:>8s}  saturated flagged"
+                f"  {m.mode:8s} runs {m.runs:2d}{'' if m.points == m.runs else f' at {m.points:2d} rates'}  mean |error| {mae:>7s}  worst {worst_m:>8s}  saturated flagged"
                 f" {m.saturated_flagged}/{m.saturated_runs}  called overloaded but steady {m.false_overloads}"
                 f"{f' (+{m.metastable_runs} metastable)' if m.metastable_runs else ''}  limit predicted {m.limit_predicted_rps:.2f}"
                 f"{'' if m.limit_cache_fill_rps is None else f'-{m.limit_cache_fill_rps:.2f}'} ({m.limit_reason})"
@@ -283,16 +372,33 @@ def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
             print(f"  break-even γ={be.draft_length}: predicted {be.predicted_rps} measured {be.measured_rps}")
             if be.error is not None:
                 bes.append(abs(be.error))
-        errors += [abs(c.error) for c in rep.rows if c.error is not None]
-        worst = max([worst, *(abs(c.error) for c in rep.rows if c.error is not None)])
+        if rep.replicated:
+            for pt in rep.points:
+                if len(pt.runs) > 1:
+                    se = "" if pt.measured_se_s is None else f" ± {pt.measured_se_s:.2f}"
+                    print(
+                        f"  {pt.mode:8s} at {pt.rate:g} req/s: {len(pt.runs)} runs ({pt.saturated_runs} saturated),"
+                        f" measured {'saturated' if pt.measured_s is None else f'{pt.measured_s:.2f}{se} s'},"
+                        f" predicted {'overloaded' if pt.predicted_overloaded else f'{pt.predicted_s:.2f} s'}"
+                        + ("" if pt.error is None else f" ({pt.error:+.1%})")
+                    )
+        errors += [abs(pt.error) for pt in rep.points if pt.error is not None]
+        run_errors += [abs(c.error) for c in rep.rows if c.error is not None]
+        worst = max([worst, *(abs(pt.error) for pt in rep.points if pt.error is not None)])
         flagged = flagged and rep.saturated_all_flagged
     mae = sum(errors) / len(errors) if errors else math.nan
+    unit = "rates (runs at one rate pooled)" if replicated else "runs"
     print(
-        f"\nall workloads: {len(errors)} steady runs, mean |error| {mae * 100:.1f} %, worst {worst * 100:.1f} %;"
-        f" every saturated run flagged: {'yes' if flagged else 'NO'}; worst stability-limit error"
+        f"\nall workloads: {len(errors)} steady {unit}, mean |error| {mae * 100:.1f} %, worst {worst * 100:.1f} %;"
+        f" every saturated {unit.split()[0][:-1]} flagged: {'yes' if flagged else 'NO'}; worst stability-limit error"
         f" {max(limits, default=0) * 100:.1f} %; worst break-even error {max(bes, default=0) * 100:.1f} %;"
         f" worst limit error against what a saturated rate served {max(capacities, default=0) * 100:.1f} %"
     )
+    if replicated:
+        print(
+            f"each run alone: {len(run_errors)} steady runs, mean |error| {sum(run_errors) / len(run_errors) * 100:.1f} %,"
+            f" worst {max(run_errors) * 100:.1f} %"
+        )
     report = {w: to_dict(r) for w, r in reports.items()}
     (out / "fidelity.json").write_text(json.dumps(report, indent=2, allow_nan=False))
 

@@ -6,6 +6,13 @@ the model predicts the same quantity at the same rate, acceptance and request sh
 report says per run how far off it is, per mode the mean and worst error over the runs that
 were not saturated, whether every saturated run was predicted overloaded, and where the
 measured and predicted stability limits and break-even rates are.
+
+Near a limit one run's mean varies by several per cent from arrival seed to arrival seed (a
+queue at 0.9 of capacity remembers its bursts for minutes), so a load test may repeat a rate on
+other seeds, in one file or several: the runs at one rate of one mode are pooled into a point
+(the mean of its steady runs' means and of their predictions; saturated when at least half its
+runs were), and the summaries, the limit bracket and the break-even read the points. With one
+run per rate a point is its run.
 """
 
 from __future__ import annotations
@@ -60,14 +67,85 @@ class RowCheck:
 
 
 @dataclass(frozen=True)
+class PointCheck:
+    """The runs of one mode at one rate, pooled."""
+
+    runs: tuple[RowCheck, ...]
+    saturated_runs: int
+    measured_s: float | None  # mean of the steady runs' means; None when the point is saturated
+    predicted_s: float  # mean of the same runs' predictions; +inf: called overloaded
+    # Standard error of measured_s from the spread of its runs (None below two steady runs).
+    measured_se_s: float | None
+    error: float | None  # (predicted − measured) / measured; None when either side is overloaded
+
+    @property
+    def mode(self) -> str:
+        return self.runs[0].mode
+
+    @property
+    def rate(self) -> float:
+        return self.runs[0].row.rate
+
+    @property
+    def measured_saturated(self) -> bool:
+        return 2 * self.saturated_runs >= len(self.runs)
+
+    @property
+    def predicted_overloaded(self) -> bool:
+        return math.isinf(self.predicted_s)
+
+    @property
+    def metastable(self) -> bool:
+        return all(c.metastable for c in self.runs)
+
+    @property
+    def served_rps(self) -> float | None:
+        """What the saturated runs finished per second, on average (None: not recorded)."""
+        served = [c.row.served_rps for c in self.runs if c.measured_saturated and c.row.served_rps is not None]
+        return sum(served) / len(served) if served else None
+
+
+def pool(checks: Sequence[RowCheck]) -> list[PointCheck]:
+    """The runs of each mode at each rate as one point, in the order of their first run."""
+    groups: dict[tuple[bool, int, float], list[RowCheck]] = defaultdict(list)
+    for c in checks:
+        groups[(*_curve_key(c.row), round(c.row.rate, 9))].append(c)
+    points = []
+    for group in groups.values():
+        saturated = sum(c.measured_saturated for c in group)
+        overloaded = sum(c.predicted_overloaded for c in group)
+        steady = [c for c in group if not c.measured_saturated]
+        measured = se = None
+        error = None
+        if 2 * saturated < len(group):
+            means = [c.row.mean_e2e_s for c in steady]
+            measured = sum(means) / len(means)
+            if len(means) > 1:
+                var = sum((m - measured) ** 2 for m in means) / (len(means) - 1)
+                se = math.sqrt(var / len(means))
+        # Called overloaded when at least half its runs are (their workloads differ a little).
+        if 2 * overloaded >= len(group):
+            predicted = math.inf
+        else:
+            finite = [c.predicted_s for c in (steady or group) if math.isfinite(c.predicted_s)]
+            predicted = sum(finite) / len(finite) if finite else math.inf
+        if measured is not None and math.isfinite(predicted) and measured > 0:
+            error = (predicted - measured) / measured
+        points.append(PointCheck(tuple(group), saturated, measured, predicted, se, error))
+    return points
+
+
+@dataclass(frozen=True)
 class ModeSummary:
+    """One mode over its points (the runs at one rate pooled: with one run per rate, its runs)."""
+
     mode: str
     runs: int
-    mean_abs_error: float | None  # over runs neither measured saturated nor predicted overloaded
+    mean_abs_error: float | None  # over points neither measured saturated nor predicted overloaded
     worst_error: float | None  # signed, the largest in magnitude
-    saturated_runs: int
-    saturated_flagged: int  # saturated runs the model called overloaded
-    false_overloads: int  # runs the model called overloaded that were not saturated (metastable ones aside)
+    saturated_runs: int  # saturated points
+    saturated_flagged: int  # saturated points the model called overloaded
+    false_overloads: int  # points the model called overloaded that were not saturated (metastable ones aside)
     limit_predicted_rps: float
     limit_measured_rps: tuple[float | None, float | None]  # (highest steady rate, lowest saturated rate)
     limit_error: float | None  # relative distance of the prediction outside that bracket (0 inside)
@@ -81,6 +159,7 @@ class ModeSummary:
     # distance from it.
     limit_served_rps: float | None = None
     capacity_error: float | None = None
+    points: int = 0  # rates measured (runs at one rate pooled)
 
 
 @dataclass(frozen=True)
@@ -93,23 +172,29 @@ class BreakEvenCheck:
 
 @dataclass(frozen=True)
 class ValidationReport:
-    rows: tuple[RowCheck, ...]
+    rows: tuple[RowCheck, ...]  # every run
     modes: tuple[ModeSummary, ...]
     break_even: tuple[BreakEvenCheck, ...]
+    points: tuple[PointCheck, ...] = ()  # the runs at one rate of one mode, pooled
+
+    @property
+    def replicated(self) -> bool:
+        """Some rate was run more than once."""
+        return any(len(p.runs) > 1 for p in self.points)
 
     @property
     def mean_abs_error(self) -> float | None:
-        errs = [abs(r.error) for r in self.rows if r.error is not None]
+        errs = [abs(p.error) for p in self.points if p.error is not None]
         return sum(errs) / len(errs) if errs else None
 
     @property
     def worst_abs_error(self) -> float | None:
-        errs = [abs(r.error) for r in self.rows if r.error is not None]
+        errs = [abs(p.error) for p in self.points if p.error is not None]
         return max(errs) if errs else None
 
     @property
     def saturated_all_flagged(self) -> bool:
-        return all(r.predicted_overloaded for r in self.rows if r.measured_saturated)
+        return all(p.predicted_overloaded for p in self.points if p.measured_saturated)
 
 
 def _alpha(row: LoadRow) -> float:
@@ -145,9 +230,9 @@ def _curve_key(row: LoadRow) -> tuple[bool, int]:
     return (row.sd, row.draft_length if row.sd else 0)
 
 
-def _limit_bracket(checks: Sequence[RowCheck]) -> tuple[float | None, float | None]:
-    steady = [c.row.rate for c in checks if not c.measured_saturated]
-    saturated = [c.row.rate for c in checks if c.measured_saturated]
+def _limit_bracket(points: Sequence[PointCheck]) -> tuple[float | None, float | None]:
+    steady = [p.rate for p in points if not p.measured_saturated]
+    saturated = [p.rate for p in points if p.measured_saturated]
     return (max(steady) if steady else None, min(saturated) if saturated else None)
 
 
@@ -167,42 +252,44 @@ def _limit_error(
     return 0.0
 
 
-def _summaries(model: LatencyModel, checks: Sequence[RowCheck]) -> list[ModeSummary]:
-    groups: dict[tuple[bool, int], list[RowCheck]] = defaultdict(list)
-    for c in checks:
-        groups[_curve_key(c.row)].append(c)
+def _summaries(model: LatencyModel, points: Sequence[PointCheck]) -> list[ModeSummary]:
+    groups: dict[tuple[bool, int], list[PointCheck]] = defaultdict(list)
+    for p in points:
+        groups[_curve_key(p.runs[0].row)].append(p)
     out = []
     for (sd, gamma), group in sorted(groups.items()):
-        errs = [c.error for c in group if c.error is not None]
-        ref = group[0].row
-        off, on = curves(model, _alpha(ref) if sd else 0.5, gamma if sd else 1, _mean_row(group).workload())
+        errs = [p.error for p in group if p.error is not None]
+        runs = [c for p in group for c in p.runs]
+        ref = runs[0].row
+        off, on = curves(model, _alpha(ref) if sd else 0.5, gamma if sd else 1, _mean_row(runs).workload())
         curve = on if sd else off
         limit = curve.stability_limit_rps
         bracket = _limit_bracket(group)
-        saturated = [c for c in group if c.measured_saturated]
+        saturated = [p for p in group if p.measured_saturated]
         band_lo, band_hi = curve.metastable_band_rps
         fill = band_hi if band_hi > band_lo else None
-        first = min(saturated, key=lambda c: c.row.rate, default=None)
-        served = None if first is None else first.row.served_rps
+        first = min(saturated, key=lambda p: p.rate, default=None)
+        served = None if first is None else first.served_rps
         out.append(
             ModeSummary(
                 mode=group[0].mode,
-                runs=len(group),
+                runs=len(runs),
                 mean_abs_error=sum(abs(e) for e in errs) / len(errs) if errs else None,
                 worst_error=max(errs, key=abs) if errs else None,
                 saturated_runs=len(saturated),
-                saturated_flagged=sum(c.predicted_overloaded for c in saturated),
+                saturated_flagged=sum(p.predicted_overloaded for p in saturated),
                 false_overloads=sum(
-                    c.predicted_overloaded and not c.measured_saturated and not c.metastable for c in group
+                    p.predicted_overloaded and not p.measured_saturated and not p.metastable for p in group
                 ),
                 limit_predicted_rps=limit,
                 limit_measured_rps=bracket,
                 limit_error=_limit_error(limit, bracket, fill),
                 limit_reason=curve.limit_reason,
                 limit_cache_fill_rps=fill,
-                metastable_runs=sum(c.metastable and not c.measured_saturated for c in group),
+                metastable_runs=sum(p.metastable and not p.measured_saturated for p in group),
                 limit_served_rps=served,
                 capacity_error=None if not served else _limit_error(limit, (served, served), fill),
+                points=len(group),
             )
         )
     return out
@@ -234,14 +321,14 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
     )
 
 
-def _measured_speedup(off: LoadRow, on: LoadRow) -> float:
-    if on.saturated and off.saturated:
+def _measured_speedup(off: PointCheck, on: PointCheck) -> float:
+    if on.measured_saturated and off.measured_saturated:
         return math.nan
-    if on.saturated:
+    if on.measured_saturated:
         return 0.0
-    if off.saturated:
+    if off.measured_saturated:
         return math.inf
-    return off.mean_e2e_s / on.mean_e2e_s
+    return off.measured_s / on.measured_s  # type: ignore[operator]
 
 
 def _measured_break_even(pairs: Sequence[tuple[float, float]]) -> float | None:
@@ -259,22 +346,22 @@ def _measured_break_even(pairs: Sequence[tuple[float, float]]) -> float | None:
     return None
 
 
-def _break_evens(model: LatencyModel, checks: Sequence[RowCheck]) -> list[BreakEvenCheck]:
-    off_by_rate = {round(c.row.rate, 9): c.row for c in checks if not c.row.sd}
-    on_groups: dict[int, list[RowCheck]] = defaultdict(list)
-    for c in checks:
-        if c.row.sd:
-            on_groups[c.row.draft_length].append(c)
+def _break_evens(model: LatencyModel, points: Sequence[PointCheck]) -> list[BreakEvenCheck]:
+    off_by_rate = {round(p.rate, 9): p for p in points if not p.runs[0].row.sd}
+    on_groups: dict[int, list[PointCheck]] = defaultdict(list)
+    for p in points:
+        if p.runs[0].row.sd:
+            on_groups[p.runs[0].row.draft_length].append(p)
     out = []
     for gamma, group in sorted(on_groups.items()):
         pairs = [
-            (c.row.rate, _measured_speedup(off_by_rate[round(c.row.rate, 9)], c.row))
-            for c in group
-            if round(c.row.rate, 9) in off_by_rate
+            (p.rate, _measured_speedup(off_by_rate[round(p.rate, 9)], p))
+            for p in group
+            if round(p.rate, 9) in off_by_rate
         ]
         if len(pairs) < 2:
             continue
-        ref = _mean_row(group)
+        ref = _mean_row([c for p in group for c in p.runs])
         be = break_even_rates(model, _alpha(ref), gamma, ref.workload(), thresholds=(1.0,))[1.0]
         measured = _measured_break_even(pairs)
         error = None
@@ -285,6 +372,9 @@ def _break_evens(model: LatencyModel, checks: Sequence[RowCheck]) -> list[BreakE
 
 
 def validate(model: LatencyModel, rows: Sequence[LoadRow]) -> ValidationReport:
-    """Check every load-test run, then summarize per mode and per draft length."""
+    """Check every load-test run, pool the runs at one rate, then summarize per mode and per draft length."""
     checks = [check_row(model, r) for r in rows]
-    return ValidationReport(tuple(checks), tuple(_summaries(model, checks)), tuple(_break_evens(model, checks)))
+    points = pool(checks)
+    return ValidationReport(
+        tuple(checks), tuple(_summaries(model, points)), tuple(_break_evens(model, points)), tuple(points)
+    )

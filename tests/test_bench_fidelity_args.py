@@ -1,5 +1,6 @@
 """bench/bench_fidelity.py refuses a bad option with one line naming it, before anything runs."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,43 @@ def test_reload_refuses_runs_another_truth_or_seed_made(tmp_path, args, why):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"bench_fidelity: {work}/load-chat.csv: {why}")
     assert (work / "load-chat.csv").read_bytes() == before and not (work / "fidelity.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (("--replicate", "DIR"), "--replicate DIR and --seeds go together"),
+        (("--seeds", "3"), "--replicate DIR and --seeds go together"),
+        (("--replicate", "DIR", "--seeds", "3,x"), "--seeds: not a comma-separated list of integers: '3,x'"),
+        (
+            ("--replicate", "DIR", "--seeds", "3", "--from-fraction", "1.5"),
+            "--from-fraction: a fraction in [0, 1], got 1.5",
+        ),
+    ],
+)
+def test_replicate_refuses_bad_options_and_writes_nothing(tmp_path, args, why):
+    work = _one_row_dir(tmp_path)
+    run = bench_fidelity(*(str(work) if a == "DIR" else a for a in args))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].endswith(why)
+    assert sorted(p.name for p in work.iterdir()) == ["calibration.json", "load-chat.csv"]
+
+
+def test_replicate_runs_the_rates_on_other_seeds_and_pools_them(tmp_path):
+    work = _one_row_dir(tmp_path)
+    before = (work / "load-chat.csv").read_text(encoding="utf-8")
+    run = bench_fidelity("--replicate", str(work), "--truth", "a100-coarse", "--seeds", "101,102")
+    assert run.returncode == 0, run.stderr
+    assert (work / "load-chat.csv").read_text(encoding="utf-8") == before  # the original runs stay as they are
+    latencies = {before.splitlines()[1].split(",")[4]}
+    for seed in (101, 102):
+        lines = (work / f"replicates/seed{seed}/load-chat.csv").read_text(encoding="utf-8").splitlines()
+        assert lines[0] == before.splitlines()[0] and len(lines) == 2
+        assert lines[1].startswith("1,off,0,")
+        latencies.add(lines[1].split(",")[4])
+    assert len(latencies) == 3  # other arrivals, other means
+    (point,) = json.loads((work / "fidelity.json").read_text())["chat"]["points"]
+    assert (point["mode"], point["rate_rps"], point["runs"]) == ("off", 1.0, 3)
+    mean = sum(float(x) for x in latencies) / 3
+    assert point["measured_s"] == pytest.approx(mean, rel=1e-6)
+    assert "off      at 1 req/s: 3 runs (0 saturated), measured" in run.stdout

@@ -269,6 +269,78 @@ def test_unrecorded_saturation_counts_as_steady():
 
 
 # --------------------------------------------------------------------------------------------
+# The runs at one rate, pooled (replicates on other arrival seeds)
+# --------------------------------------------------------------------------------------------
+
+
+def test_runs_at_one_rate_are_judged_by_their_mean():
+    # Two draws 8 % above and 4 % below the prediction: each run alone misses by 7.4 % and
+    # 4.2 %, their mean by 2 % (1/(1.02) of the prediction).
+    pred = predicted(3.0, False)
+    rows = [row(3.0, False, pred * 1.08), row(3.0, False, pred * 0.96), row(1.0, False, predicted(1.0, False))]
+    rep = validate(MODEL, rows)
+    assert len(rep.rows) == 3 and rep.replicated
+    three, one = rep.points
+    assert (three.rate, len(three.runs), one.rate, len(one.runs)) == (3.0, 2, 1.0, 1)
+    assert three.measured_s == pytest.approx(pred * 1.02, rel=1e-12)
+    assert three.predicted_s == pytest.approx(pred, rel=1e-12)
+    assert three.error == pytest.approx(1 / 1.02 - 1, rel=1e-9)
+    # The standard error of a two-run mean: half their difference.
+    assert three.measured_se_s == pytest.approx(pred * 0.06, rel=1e-9)
+    assert one.measured_se_s is None and one.error == pytest.approx(0.0, abs=1e-12)
+    (off,) = rep.modes
+    assert (off.runs, off.points) == (3, 2)
+    assert off.mean_abs_error == pytest.approx(abs(1 / 1.02 - 1) / 2, rel=1e-9)
+    assert rep.worst_abs_error == pytest.approx(abs(1 / 1.02 - 1), rel=1e-9)
+    # Each run keeps its own error too.
+    assert [c.error for c in rep.rows[:2]] == [pytest.approx(1 / 1.08 - 1), pytest.approx(1 / 0.96 - 1)]
+
+
+def test_one_run_per_rate_is_exactly_the_per_run_report():
+    rows = [row(r, sd, predicted(r, sd) * (1 + 0.01 * r)) for sd in (False, True) for r in (1.0, 2.0, 3.0)]
+    rep = validate(MODEL, rows)
+    assert not rep.replicated
+    assert [p.error for p in rep.points] == [c.error for c in rep.rows]
+    assert [m.runs for m in rep.modes] == [m.points for m in rep.modes] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    ("saturated", "point_saturated"),
+    [((False, False, True), False), ((True, False), True), ((True, True, False), True)],
+)
+def test_a_rate_is_saturated_when_at_least_half_its_runs_are(saturated, point_saturated):
+    pred = predicted(4.0, False)
+    rows = [row(4.0, False, pred * (100.0 if s else 1.1), saturated=s) for s in saturated]
+    (pt,) = validate(MODEL, rows).points
+    assert pt.saturated_runs == sum(saturated)
+    assert pt.measured_saturated is point_saturated
+    if point_saturated:
+        assert pt.measured_s is None and pt.error is None
+    else:  # the steady runs' mean; the saturated one does not enter it
+        assert pt.measured_s == pytest.approx(pred * 1.1, rel=1e-12)
+        assert pt.error == pytest.approx(1 / 1.1 - 1, rel=1e-9)
+
+
+def test_the_limit_bracket_and_the_flag_read_the_rates_not_the_runs():
+    over = 1.1 * off_limit()  # the model calls it overloaded
+    rows = [row(3.0, False, predicted(3.0, False)), row(over, False, 50.0, saturated=True)]
+    rows += [row(over, False, 40.0, saturated=False)]  # one lucky draw of two: the rate still saturated
+    rep = validate(MODEL, rows)
+    (off,) = rep.modes
+    assert off.limit_measured_rps == (3.0, over)
+    assert (off.saturated_runs, off.saturated_flagged, off.false_overloads) == (1, 1, 0)
+    assert rep.saturated_all_flagged
+
+
+def test_replicated_rates_pair_by_their_means_for_the_break_even():
+    # Off at 2 req/s run twice (1.0 and 1.2 s): speedup 1.1 / 1.0 there, not whichever came last.
+    rows = speedup_rows({1.0: 1.25, 3.0: 0.9})
+    rows += [row(2.0, False, 1.0), row(2.0, False, 1.2), row(2.0, True, 1.0)]
+    (be,) = validate(MODEL, rows).break_even
+    assert be.measured_rps == pytest.approx(2.0 + 0.1 / 0.2, rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
 # Break-even
 # --------------------------------------------------------------------------------------------
 
@@ -443,6 +515,30 @@ def test_cli_table_output(monkeypatch, capsys, calibration_file, load_csv):
     assert "+5.0 %" in out
     assert "saturated (flagged)" in out
     assert "every saturated run flagged: yes" in out
+
+
+def test_cli_pools_the_runs_of_several_files(monkeypatch, capsys, tmp_path, calibration_file, load_csv):
+    # The same test again on other arrivals, 15 % slower at 4 req/s off: that rate's point is
+    # the mean of the two runs, each row names its file, the table shows the pooled rates.
+    model = cal_mod.load(calibration_file).latency_model()
+    again = write_load_csv(tmp_path / "again.csv", [csv_row(4.0, False, predicted(4.0, False, model) / 1.05 * 1.15)])
+    assert run_cli(monkeypatch, str(calibration_file), str(load_csv), str(again), "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["file"] for r in report["rows"]] == ["load.csv"] * 9 + ["again.csv"]
+    four = [p for p in report["points"] if p["mode"] == "off" and p["rate_rps"] == 4.0]
+    assert len(four) == 1 and four[0]["runs"] == 2
+    assert four[0]["error"] == pytest.approx(1.05 / 1.075 - 1, rel=1e-9)  # the mean: 1.075 / 1.05 of the prediction
+    assert report["modes"][0]["runs"] == 6 and report["modes"][0]["points"] == 5
+    assert run_cli(monkeypatch, str(calibration_file), str(load_csv), str(again)) == 0
+    out = capsys.readouterr().out
+    assert "again.csv:2" in out and "rates run more than once" in out and "every saturated rate flagged: yes" in out
+
+
+def test_cli_a_bad_second_file_is_named(monkeypatch, capsys, tmp_path, calibration_file, load_csv):
+    bad = write_load_csv(tmp_path / "bad.csv", [{**csv_row(1.0, False, 1.0), "sd": "maybe"}])
+    assert run_cli(monkeypatch, str(calibration_file), str(load_csv), str(bad)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.csv:2" in err[0] and "column sd" in err[0]
 
 
 @pytest.mark.parametrize(

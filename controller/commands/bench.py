@@ -134,7 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (default 120)")
     parser.add_argument("--api-key-env", help="env var holding vLLM's --api-key, if it has one")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random draws (a load test's arrivals and lengths): another seed repeats a load test on other"
+        " arrivals, and validate pools the runs at one rate (default 0)",
+    )
     parser.add_argument("-o", "--output", required=True, help="CSV file to write")
 
 

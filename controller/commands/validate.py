@@ -1,4 +1,5 @@
-"""``sd-controller validate CAL.json LOAD.csv``: the calibration against a load test it never saw."""
+"""``sd-controller validate CAL.json LOAD.csv [LOAD.csv ...]``: the calibration against load tests it
+never saw (the runs at one rate, from one file or several, pooled into a point)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +26,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "load_csv",
         type=Path,
-        help="load-test CSV (sd-controller bench --load-test): "
-        + ",".join((*cal_mod.LOAD_COLUMNS, *cal_mod.LOAD_OPTIONAL_COLUMNS)),
+        nargs="+",
+        help="load-test CSV(s) (sd-controller bench --load-test): "
+        + ",".join((*cal_mod.LOAD_COLUMNS, *cal_mod.LOAD_OPTIONAL_COLUMNS))
+        + "; the runs of one mode at one rate (e.g. the same test on other --seed) are pooled",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.add_argument("--plot", type=Path, help="write predicted vs measured latency per mode (PNG)")
 
 
-def to_dict(report: ValidationReport) -> dict[str, Any]:
-    """JSON-safe report (+inf predictions become null with overloaded = true)."""
+def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> dict[str, Any]:
+    """JSON-safe report (+inf predictions become null with overloaded = true); ``sources``: each
+    run's file, in the order of ``report.rows`` (when several were read)."""
     return {
         "mean_abs_error": report.mean_abs_error,
         "worst_abs_error": report.worst_abs_error,
         "saturated_all_flagged": report.saturated_all_flagged,
         "rows": [
             {
+                **({} if sources is None else {"file": sources[i]}),
                 "line": c.row.line,
                 "mode": c.mode,
                 "rate_rps": c.row.rate,
@@ -58,12 +64,29 @@ def to_dict(report: ValidationReport) -> dict[str, Any]:
                 # Prompt tokens per request the prefix cache served (not computed): measured, or 0.
                 "cached_prompt_tokens": c.row.workload().cached_tokens,
             }
-            for c in report.rows
+            for i, c in enumerate(report.rows)
+        ],
+        # The runs of one mode at one rate pooled; the summaries below read these.
+        "points": [
+            {
+                "mode": pt.mode,
+                "rate_rps": pt.rate,
+                "runs": len(pt.runs),
+                "saturated_runs": pt.saturated_runs,
+                "measured_saturated": pt.measured_saturated,
+                "measured_s": pt.measured_s,
+                "measured_se_s": pt.measured_se_s,
+                "predicted_s": finite_or_none(pt.predicted_s),
+                "predicted_overloaded": pt.predicted_overloaded,
+                "error": pt.error,
+            }
+            for pt in report.points
         ],
         "modes": [
             {
                 "mode": m.mode,
                 "runs": m.runs,
+                "points": m.points,
                 "mean_abs_error": m.mean_abs_error,
                 "worst_error": m.worst_error,
                 "saturated_runs": m.saturated_runs,
@@ -96,11 +119,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:+.1f} %"
 
 
-def print_report(report: ValidationReport, console: Console) -> None:
+def print_report(report: ValidationReport, console: Console, sources: Sequence[str] | None = None) -> None:
     t = Table(title="predicted vs measured mean end-to-end latency")
     for col in ("line", "mode", "rate req/s", "measured s", "predicted s", "interval s", "error", "note"):
         t.add_column(col, justify="right")
-    for c in report.rows:
+    for i, c in enumerate(report.rows):
         note = []
         if c.measured_saturated:
             note.append("saturated" + (" (flagged)" if c.predicted_overloaded else " (NOT flagged)"))
@@ -115,7 +138,7 @@ def print_report(report: ValidationReport, console: Console) -> None:
             else f"{c.predicted_lo_s:.2f}-{c.predicted_hi_s:.2f}"
         )
         t.add_row(
-            str(c.row.line),
+            str(c.row.line) if sources is None else f"{sources[i]}:{c.row.line}",
             c.mode,
             f"{c.row.rate:g}",
             f"{c.row.mean_e2e_s:.3f}",
@@ -125,7 +148,9 @@ def print_report(report: ValidationReport, console: Console) -> None:
             ", ".join(note),
         )
     console.print(t)
-    m = Table(title="per mode (errors over runs that were not saturated)")
+    if report.replicated:
+        print_points(report, console)
+    m = Table(title="per mode (errors over the rates neither saturated nor called overloaded; runs at one rate pooled)")
     for col in (
         "mode",
         "runs",
@@ -145,7 +170,7 @@ def print_report(report: ValidationReport, console: Console) -> None:
         lo, hi = s.limit_measured_rps
         measured = f"{'-' if lo is None else f'>{lo:g}'} / {'-' if hi is None else f'<{hi:g}'}"
         m.add_row(
-            s.mode, str(s.runs), "-" if s.mean_abs_error is None else f"{s.mean_abs_error * 100:.1f} %", _pct(s.worst_error),
+            s.mode, str(s.runs) if s.runs == s.points else f"{s.runs} at {s.points} rates", "-" if s.mean_abs_error is None else f"{s.mean_abs_error * 100:.1f} %", _pct(s.worst_error),
             f"{s.saturated_flagged}/{s.saturated_runs}", str(s.false_overloads),
             f"{s.limit_predicted_rps:.2f}" + ("" if s.limit_cache_fill_rps is None else f"-{s.limit_cache_fill_rps:.2f}"),
             measured,
@@ -170,8 +195,29 @@ def print_report(report: ValidationReport, console: Console) -> None:
     console.print(
         f"overall: mean |error| {'-' if overall is None else f'{overall * 100:.1f} %'}, worst "
         f"{'-' if report.worst_abs_error is None else f'{report.worst_abs_error * 100:.1f} %'}; "
-        f"every saturated run flagged: {'yes' if report.saturated_all_flagged else 'NO'}"
+        f"every saturated {'rate' if report.replicated else 'run'} flagged: {'yes' if report.saturated_all_flagged else 'NO'}"
     )
+
+
+def print_points(report: ValidationReport, console: Console) -> None:
+    """The rates run more than once: their runs' mean, its standard error, and the pooled error."""
+    t = Table(title="rates run more than once, pooled (mean of the steady runs)")
+    for col in ("mode", "rate req/s", "runs", "saturated", "measured s", "± se", "predicted s", "error"):
+        t.add_column(col, justify="right")
+    for pt in report.points:
+        if len(pt.runs) < 2:
+            continue
+        t.add_row(
+            pt.mode,
+            f"{pt.rate:g}",
+            str(len(pt.runs)),
+            str(pt.saturated_runs),
+            "saturated" if pt.measured_s is None else f"{pt.measured_s:.3f}",
+            "-" if pt.measured_se_s is None else f"{pt.measured_se_s:.3f}",
+            "overloaded" if pt.predicted_overloaded else f"{pt.predicted_s:.3f}",
+            _pct(pt.error),
+        )
+    console.print(t)
 
 
 def plot(report: ValidationReport, path: Path) -> None:
@@ -203,15 +249,20 @@ def plot(report: ValidationReport, path: Path) -> None:
 @exits_on_input_error
 def run(args: argparse.Namespace) -> int:
     cal = cal_mod.load(calibration_path(args.calibration))
-    rows, _ = cal_mod.read_load_csv(args.load_csv)
+    rows, sources = [], []
+    for path in args.load_csv:
+        read = cal_mod.read_load_csv(path)[0]
+        rows += read
+        sources += [path.name] * len(read)
+    named = sources if len(args.load_csv) > 1 else None
     report = validate(cal.latency_model(), rows)
     if args.plot:
         plot(report, args.plot)
     if args.json:
-        json.dump(to_dict(report), sys.stdout, indent=2, allow_nan=False)
+        json.dump(to_dict(report, named), sys.stdout, indent=2, allow_nan=False)
         print()
     else:
-        print_report(report, Console(width=max(Console().width, 130)))
+        print_report(report, Console(width=max(Console().width, 130)), named)
         if args.plot:
             print(f"wrote {args.plot}")
     return EXIT_OK
