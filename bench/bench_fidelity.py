@@ -247,24 +247,36 @@ def _typed_rates(path: Path, old: list[dict[str, str]], workload: str, duration:
     raise InputError(f"{path}: no rates give the requests its rows sent with --seed {seed}: another seed?")
 
 
-def _reload(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
-    """Run ``workdir``'s load tests again with this code; rewrite its CSVs only when every row
-    both runs hold reproduces (the same truth and seed) and no rate runs that did not before."""
+def _stored_load_tests(
+    workdir: Path, truth: fidelity.TruthServer, what: str
+) -> tuple[list[Path], fidelity.TruthServer]:
+    """``workdir``'s load-test CSVs, and the truth with the step budget its calibration was told."""
     csvs = sorted(workdir.glob("load-*.csv"))
     if not csvs:
-        raise InputError(f"{workdir}: no load-*.csv to run again")
+        raise InputError(f"{workdir}: no load-*.csv to {what}")
     budget = cal_mod.load(workdir / "calibration.json").latency_model().max_num_batched_tokens
     if budget is not None:
         truth = dataclasses.replace(truth, max_num_batched_tokens=budget)
+    return csvs, truth
+
+
+def _test_duration(path: Path, rows: list[dict[str, str]]) -> float:
+    durations = {float(r["duration_s"]) for r in rows}
+    if len(durations) != 1:
+        raise InputError(f"{path}: rows of several durations ({sorted(durations)}): not one load test")
+    return durations.pop()
+
+
+def _reload(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
+    """Run ``workdir``'s load tests again with this code; rewrite its CSVs only when every row
+    both runs hold reproduces (the same truth and seed) and no rate runs that did not before."""
+    csvs, truth = _stored_load_tests(workdir, truth, "run again")
     fresh: dict[Path, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for path in csvs:
             old = list(csv.DictReader(path.open(encoding="utf-8")))
             gammas = tuple(dict.fromkeys(int(r["draft_length"]) for r in old))
-            durations = {float(r["duration_s"]) for r in old}
-            if len(durations) != 1:
-                raise InputError(f"{path}: rows of several durations ({sorted(durations)}): not one load test")
-            duration, workload = durations.pop(), path.stem.removeprefix("load-")
+            duration, workload = _test_duration(path, old), path.stem.removeprefix("load-")
             load = fidelity.LoadSettings(
                 rates=_typed_rates(path, old, workload, duration, seed),
                 duration_s=duration,
@@ -295,18 +307,10 @@ def _reload(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
 def _replicate(workdir: Path, truth: fidelity.TruthServer, seeds: tuple[int, ...], from_fraction: float) -> None:
     """``workdir``'s load tests on other arrival seeds, each mode from ``from_fraction`` of its
     highest rate, into ``workdir/replicates/seed<S>/load-<workload>.csv`` (written whole, per file)."""
-    csvs = sorted(workdir.glob("load-*.csv"))
-    if not csvs:
-        raise InputError(f"{workdir}: no load-*.csv to replicate")
-    budget = cal_mod.load(workdir / "calibration.json").latency_model().max_num_batched_tokens
-    if budget is not None:
-        truth = dataclasses.replace(truth, max_num_batched_tokens=budget)
+    csvs, truth = _stored_load_tests(workdir, truth, "replicate")
     for path in csvs:
         old = list(csv.DictReader(path.open(encoding="utf-8")))
-        durations = {float(r["duration_s"]) for r in old}
-        if len(durations) != 1:
-            raise InputError(f"{path}: rows of several durations ({sorted(durations)}): not one load test")
-        duration, workload = durations.pop(), path.stem.removeprefix("load-")
+        duration, workload = _test_duration(path, old), path.stem.removeprefix("load-")
         by_gamma: dict[int, list[float]] = {}
         for r in old:
             by_gamma.setdefault(int(r["draft_length"]), []).append(float(r["rate"]))
