@@ -384,7 +384,9 @@ def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
                         f"  {pt.mode:8s} at {pt.rate:g} req/s: {len(pt.runs)} runs ({pt.saturated_runs} saturated),"
                         f" measured {'saturated' if pt.measured_s is None else f'{pt.measured_s:.2f}{se} s'},"
                         f" predicted {'overloaded' if pt.predicted_overloaded else f'{pt.predicted_s:.2f} s'}"
-                        + ("" if pt.error is None else f" ({pt.error:+.1%})")
+                        + ("" if pt.error is None else f" ({pt.error:+.1%}")
+                        + ("" if pt.error_in_se is None else f", {pt.error_in_se:+.1f} se")
+                        + ("" if pt.error is None else ")")
                     )
         errors += [abs(pt.error) for pt in rep.points if pt.error is not None]
         run_errors += [abs(c.error) for c in rep.rows if c.error is not None]

@@ -99,6 +99,14 @@ class PointCheck:
         return all(c.metastable for c in self.runs)
 
     @property
+    def error_in_se(self) -> float | None:
+        """The miss in standard errors of the measured mean (None below two steady runs or with
+        no error): within about two, the runs cannot tell it from their own spread."""
+        if self.error is None or not self.measured_se_s:
+            return None
+        return (self.predicted_s - self.measured_s) / self.measured_se_s  # type: ignore[operator]
+
+    @property
     def served_rps(self) -> float | None:
         """What the saturated runs finished per second, on average (None: not recorded)."""
         served = [c.row.served_rps for c in self.runs if c.measured_saturated and c.row.served_rps is not None]

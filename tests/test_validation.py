@@ -287,6 +287,8 @@ def test_runs_at_one_rate_are_judged_by_their_mean():
     assert three.error == pytest.approx(1 / 1.02 - 1, rel=1e-9)
     # The standard error of a two-run mean: half their difference.
     assert three.measured_se_s == pytest.approx(pred * 0.06, rel=1e-9)
+    assert three.error_in_se == pytest.approx(-0.02 / 0.06, rel=1e-9)  # a third of one: the runs' own spread
+    assert one.error_in_se is None
     assert one.measured_se_s is None and one.error == pytest.approx(0.0, abs=1e-12)
     (off,) = rep.modes
     assert (off.runs, off.points) == (3, 2)
@@ -528,6 +530,7 @@ def test_cli_pools_the_runs_of_several_files(monkeypatch, capsys, tmp_path, cali
     four = [p for p in report["points"] if p["mode"] == "off" and p["rate_rps"] == 4.0]
     assert len(four) == 1 and four[0]["runs"] == 2
     assert four[0]["error"] == pytest.approx(1.05 / 1.075 - 1, rel=1e-9)  # the mean: 1.075 / 1.05 of the prediction
+    assert four[0]["error_in_se"] == pytest.approx((1.05 - 1.075) / 0.075, rel=1e-9)  # se: half the two runs' gap
     assert report["modes"][0]["runs"] == 6 and report["modes"][0]["points"] == 5
     assert run_cli(monkeypatch, str(calibration_file), str(load_csv), str(again)) == 0
     out = capsys.readouterr().out

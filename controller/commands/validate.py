@@ -79,6 +79,7 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
                 "predicted_s": finite_or_none(pt.predicted_s),
                 "predicted_overloaded": pt.predicted_overloaded,
                 "error": pt.error,
+                "error_in_se": pt.error_in_se,
             }
             for pt in report.points
         ],
@@ -202,7 +203,7 @@ def print_report(report: ValidationReport, console: Console, sources: Sequence[s
 def print_points(report: ValidationReport, console: Console) -> None:
     """The rates run more than once: their runs' mean, its standard error, and the pooled error."""
     t = Table(title="rates run more than once, pooled (mean of the steady runs)")
-    for col in ("mode", "rate req/s", "runs", "saturated", "measured s", "± se", "predicted s", "error"):
+    for col in ("mode", "rate req/s", "runs", "saturated", "measured s", "± se", "predicted s", "error", "in se"):
         t.add_column(col, justify="right")
     for pt in report.points:
         if len(pt.runs) < 2:
@@ -216,6 +217,7 @@ def print_points(report: ValidationReport, console: Console) -> None:
             "-" if pt.measured_se_s is None else f"{pt.measured_se_s:.3f}",
             "overloaded" if pt.predicted_overloaded else f"{pt.predicted_s:.3f}",
             _pct(pt.error),
+            "-" if pt.error_in_se is None else f"{pt.error_in_se:+.1f}",
         )
     console.print(t)
 
