@@ -386,6 +386,7 @@ def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
                         f" predicted {'overloaded' if pt.predicted_overloaded else f'{pt.predicted_s:.2f} s'}"
                         + ("" if pt.error is None else f" ({pt.error:+.1%}")
                         + ("" if pt.error_in_se is None else f", {pt.error_in_se:+.1f} se")
+                        + (", beyond the runs' spread" if pt.beyond_noise else "")
                         + ("" if pt.error is None else ")")
                     )
         errors += [abs(pt.error) for pt in rep.points if pt.error is not None]

@@ -66,6 +66,17 @@ class RowCheck:
         return bool(self.row.saturated)
 
 
+# Student's t, two-sided 95 %, by degrees of freedom 1..30 (then 1.96): the standard error of a
+# mean of a few runs is itself a rough estimate, and three runs need a miss of 4.3 of them.
+_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.16, 2.145, 2.131,
+          2.12, 2.11, 2.101, 2.093, 2.086, 2.08, 2.074, 2.069, 2.064, 2.06, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def t_975(dof: int) -> float:
+    """The two-sided 95 % quantile of Student's t with ``dof`` degrees of freedom (≥ 1)."""
+    return _T_975[dof - 1] if dof <= len(_T_975) else 1.96
+
+
 @dataclass(frozen=True)
 class PointCheck:
     """The runs of one mode at one rate, pooled."""
@@ -105,6 +116,15 @@ class PointCheck:
         if self.error is None or not self.measured_se_s:
             return None
         return (self.predicted_s - self.measured_s) / self.measured_se_s  # type: ignore[operator]
+
+    @property
+    def beyond_noise(self) -> bool | None:
+        """The miss lies outside the 95 % band the runs' own spread allows (Student's t with one
+        degree of freedom fewer than the steady runs); None without two steady runs."""
+        if self.error_in_se is None:
+            return None
+        steady = len(self.runs) - self.saturated_runs
+        return abs(self.error_in_se) > t_975(steady - 1)
 
     @property
     def served_rps(self) -> float | None:

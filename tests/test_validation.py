@@ -289,6 +289,7 @@ def test_runs_at_one_rate_are_judged_by_their_mean():
     assert three.measured_se_s == pytest.approx(pred * 0.06, rel=1e-9)
     assert three.error_in_se == pytest.approx(-0.02 / 0.06, rel=1e-9)  # a third of one: the runs' own spread
     assert one.error_in_se is None
+    assert three.beyond_noise is False and one.beyond_noise is None
     assert one.measured_se_s is None and one.error == pytest.approx(0.0, abs=1e-12)
     (off,) = rep.modes
     assert (off.runs, off.points) == (3, 2)
@@ -296,6 +297,18 @@ def test_runs_at_one_rate_are_judged_by_their_mean():
     assert rep.worst_abs_error == pytest.approx(abs(1 / 1.02 - 1), rel=1e-9)
     # Each run keeps its own error too.
     assert [c.error for c in rep.rows[:2]] == [pytest.approx(1 / 1.08 - 1), pytest.approx(1 / 0.96 - 1)]
+
+
+@pytest.mark.parametrize(("spread", "beyond"), [(0.02, True), (0.05, False)])
+def test_a_miss_is_beyond_noise_only_past_students_t_of_the_runs(spread, beyond):
+    # Three runs 1.10·(1 − s), 1.10, 1.10·(1 + s) of the prediction: se = 1.10·s/√3, the miss
+    # 1/1.1 − 1 of the mean, 0.1·√3/(1.1·s) = 7.9 and 3.1 standard errors; t(2 dof) = 4.303 decides.
+    pred = predicted(2.0, False)
+    rows = [row(2.0, False, pred * 1.10 * (1 + k * spread)) for k in (-1, 0, 1)]
+    (pt,) = validate(MODEL, rows).points
+    assert pt.measured_se_s == pytest.approx(pred * 1.10 * spread / math.sqrt(3), rel=1e-9)
+    assert pt.error_in_se == pytest.approx(-0.10 / (1.10 * spread / math.sqrt(3)), rel=1e-9)
+    assert pt.beyond_noise is beyond
 
 
 def test_one_run_per_rate_is_exactly_the_per_run_report():

@@ -80,6 +80,7 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
                 "predicted_overloaded": pt.predicted_overloaded,
                 "error": pt.error,
                 "error_in_se": pt.error_in_se,
+                "beyond_noise": pt.beyond_noise,
             }
             for pt in report.points
         ],
@@ -217,7 +218,7 @@ def print_points(report: ValidationReport, console: Console) -> None:
             "-" if pt.measured_se_s is None else f"{pt.measured_se_s:.3f}",
             "overloaded" if pt.predicted_overloaded else f"{pt.predicted_s:.3f}",
             _pct(pt.error),
-            "-" if pt.error_in_se is None else f"{pt.error_in_se:+.1f}",
+            "-" if pt.error_in_se is None else f"{pt.error_in_se:+.1f}" + (" (beyond the runs' spread)" if pt.beyond_noise else ""),
         )
     console.print(t)
 
