@@ -111,8 +111,8 @@ class PointCheck:
 
     @property
     def error_in_se(self) -> float | None:
-        """The miss in standard errors of the measured mean (None below two steady runs or with
-        no error): within about two, the runs cannot tell it from their own spread."""
+        """The miss in standard errors of the measured mean, signed (None below two steady runs or
+        with no error); :attr:`beyond_noise` sets it against Student's t."""
         if self.error is None or not self.measured_se_s:
             return None
         return (self.predicted_s - self.measured_s) / self.measured_se_s  # type: ignore[operator]
@@ -151,7 +151,8 @@ def pool(checks: Sequence[RowCheck]) -> list[PointCheck]:
             if len(means) > 1:
                 var = sum((m - measured) ** 2 for m in means) / (len(means) - 1)
                 se = math.sqrt(var / len(means))
-        # Called overloaded when at least half its runs are (their workloads differ a little).
+        # Called overloaded when at least half its runs are (their workloads differ a little);
+        # otherwise the mean over the steady runs the model gives a finite latency.
         if 2 * overloaded >= len(group):
             predicted = math.inf
         else:
