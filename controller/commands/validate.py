@@ -218,7 +218,9 @@ def print_points(report: ValidationReport, console: Console) -> None:
             "-" if pt.measured_se_s is None else f"{pt.measured_se_s:.3f}",
             "overloaded" if pt.predicted_overloaded else f"{pt.predicted_s:.3f}",
             _pct(pt.error),
-            "-" if pt.error_in_se is None else f"{pt.error_in_se:+.1f}" + (" (beyond the runs' spread)" if pt.beyond_noise else ""),
+            "-"
+            if pt.error_in_se is None
+            else f"{pt.error_in_se:+.1f}" + (" (beyond the runs' spread)" if pt.beyond_noise else ""),
         )
     console.print(t)
 
