@@ -41,6 +41,9 @@ class TruthServer:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     noise_sigma: float = 0.02
+    # A preempted request's blocks stay cached and its readmission hits them (vLLM's prefix
+    # caching); off in the stored runs (stepsim's docstring).
+    cache_preempted_blocks: bool = False
 
     def spec(self, draft_length: int) -> ServerSpec:
         return ServerSpec(
@@ -51,6 +54,7 @@ class TruthServer:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             noise_sigma=self.noise_sigma,
+            cache_preempted_blocks=self.cache_preempted_blocks,
         )
 
 

@@ -33,8 +33,15 @@ prompt tokens. Modelled:
 * ``num_cached_tokens`` (vllm:prompt_tokens_cached_total) adds each request's hit once, at its
   first admission (vLLM sets ``request.num_cached_tokens`` only while it is still −1).
 
+With ``ServerSpec.cache_preempted_blocks`` (off by default, so the stored fidelity runs
+reproduce; not modelled together with prefix groups): a preempted request's full computed blocks
+stay cached under its name, evictable like any free block (the never-cached free blocks go
+first, then the oldest preemption's, from its tail), and its readmission hits what is left of
+them, as vLLM's ``get_computed_blocks`` does with the request's block hashes. Without it a
+preempted request recomputes everything.
+
 Simplifications: only the declared prefix is shared (vLLM would also hit a preempted request's
-own earlier blocks, or identical blocks of unrelated prompts); a block computed twice by two
+own earlier blocks, which ``cache_preempted_blocks`` adds, or identical blocks of unrelated prompts); a block computed twice by two
 requests of a group prefilling at once stays a private duplicate (as in vLLM) and only extends
 the pool when its request already references the whole pool; pool blocks nobody references
 count as free, as vLLM's free queue does (the KV gauge leaves them out), and are evicted only
@@ -95,6 +102,9 @@ class ServerSpec:
     acceptance: dict[str, AcceptanceClass] = field(default_factory=lambda: dict(DEFAULT_ACCEPTANCE), hash=False)
     rejection_overhead_s: float = 50e-6  # rejection sampler, per step with verifies
     max_steps: int = DEFAULT_MAX_STEPS
+    # A preempted request's computed blocks stay cached and its readmission hits them (vLLM with
+    # prefix caching, its default); off: it recomputes them (see the module docstring).
+    cache_preempted_blocks: bool = False
 
     @property
     def sd_on(self) -> bool:
@@ -226,6 +236,10 @@ class _PrefixCache:
         self.shared[i] = k
         return k
 
+    def keep(self, i: int, blocks: int, computed: int) -> int:
+        """Request ``i`` is preempted: how many of its own ``blocks`` stay cached (none here)."""
+        return 0
+
     def release(self, i: int, step: int) -> None:
         """Request ``i`` finished or was preempted: it stops referencing the pool."""
         gi = int(self.group[i])
@@ -246,6 +260,79 @@ class _PrefixCache:
             self._ref(gi, full, step)
             self.shared[i] = full
             self.held[gi] = full
+
+
+class _PreemptedBlocks:
+    """The full blocks preempted requests computed, cached under their names (the interface of
+    :class:`_PrefixCache` the step loop uses).
+
+    ``own[i]`` blocks of request ``i`` are cached and unreferenced (free to vLLM, evicted on
+    demand, oldest preemption first); at its readmission it references up to what it can use as
+    ``shared[i]``, and when it finishes or is preempted again they are cached under its name again.
+    """
+
+    def __init__(self, n: int, bs: int) -> None:
+        self.bs = bs
+        self.own = np.zeros(n, dtype=np.int64)
+        self.shared = np.zeros(n, dtype=np.int64)
+        self.prefix = np.zeros(n, dtype=np.int64)  # nothing is shared between requests
+        self.lru: deque[list[int]] = deque()  # [request, blocks] in the order they were cached
+        self.total = 0
+
+    @property
+    def held(self) -> np.ndarray:
+        return np.array([self.total], dtype=np.int64)
+
+    def _cache(self, i: int, k: int) -> None:
+        """``k`` blocks cached under request ``i`` (−1: nobody's), newest in the LRU order."""
+        if k:
+            if i >= 0:
+                self.own[i] += k
+            self.total += k
+            self.lru.append([i, k])
+
+    def evictable(self) -> int:
+        return self.total
+
+    def evict(self, n: int) -> None:
+        if n > self.total:
+            raise RuntimeError("preempted-block cache: evicted more blocks than were cached")
+        while n:
+            entry = self.lru[0]
+            k = min(n, entry[1])
+            entry[1] -= k
+            if entry[0] >= 0:
+                self.own[entry[0]] -= k
+            self.total -= k
+            n -= k
+            if entry[1] == 0:
+                self.lru.popleft()
+
+    def keep(self, i: int, blocks: int, computed: int) -> int:
+        """Request ``i`` is preempted: its full computed blocks of its own stay cached."""
+        k = min(blocks, max(computed // self.bs - int(self.shared[i]), 0))
+        self._cache(i, k)
+        return k
+
+    def hit(self, i: int, num_tokens: int, step: int) -> int:
+        """Reference request ``i``'s cached blocks at its admission; their count (at least one token
+        is computed, as vLLM recomputes the last block of a fully cached prompt)."""
+        k = min(int(self.own[i]), (num_tokens - 1) // self.bs)
+        if self.own[i]:
+            self.total -= int(self.own[i])
+            self.lru = deque(e for e in self.lru if e[0] != i)
+            self._cache(-1, int(self.own[i]) - k)  # past what it can use: cached, nobody's
+            self.own[i] = 0
+        self.shared[i] = k
+        return k
+
+    def release(self, i: int, step: int) -> None:
+        """Request ``i`` finished, was preempted or was not admitted: what it referenced is cached."""
+        k, self.shared[i] = int(self.shared[i]), 0
+        self._cache(i, k)
+
+    def commit(self, i: int, upto: int, blocks: np.ndarray, step: int) -> None:
+        """Nothing to hand over: a request's blocks are its own until it is preempted."""
 
 
 def _prefix_cache(
@@ -311,7 +398,11 @@ def simulate(
     if n and int(_ceil_div(prompt + gen_total + 2 * gamma, bs).max()) > total_blocks:
         raise ValueError(f"a request needs more KV than the cache holds ({total_blocks * bs} tokens)")
     budget_tokens = spec.max_num_batched_tokens
-    pc = _prefix_cache(prefix_group, prefix_tokens, prompt, bs)
+    pc: _PrefixCache | _PreemptedBlocks | None = _prefix_cache(prefix_group, prefix_tokens, prompt, bs)
+    if spec.cache_preempted_blocks:
+        if pc is not None:
+            raise ValueError("cache_preempted_blocks is not modelled together with prefix groups")
+        pc = _PreemptedBlocks(n, bs)
     cached = np.zeros(n, dtype=np.int64)
 
     computed = np.zeros(n, dtype=np.int64)  # tokens with KV (vLLM num_computed_tokens)
@@ -538,7 +629,8 @@ def _schedule_with_preemption(
         self_preempted = False
         while need > free_blocks + (0 if pc is None else pc.evictable()):
             victim = run.pop()
-            free_blocks += int(blocks[victim])
+            kept = 0 if pc is None else pc.keep(victim, int(blocks[victim]), int(computed[victim]))
+            free_blocks += int(blocks[victim]) - kept
             blocks[victim] = 0
             if pc is not None:
                 pc.release(victim, step)
