@@ -49,6 +49,7 @@ LOAD_OPTIONAL_COLUMNS = (
     "running_context_tokens",
     "cached_prompt_tokens",
     "served_rps",
+    "workload",
 )
 DEFAULT_WARMUP = 10
 MIN_BATCH_SIZES = 3
@@ -372,6 +373,8 @@ class LoadRow:
     # Requests finished per second inside the measured window (at a saturated rate: the
     # server's capacity); None: not recorded.
     served_rps: float | None = None
+    # The load test's workload name (``bench --load-test --workload``); "" when not recorded.
+    workload_name: str = ""
 
     def workload(self) -> Workload:
         """The request shape the run measured, as the model takes it."""
@@ -549,6 +552,7 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 context,
                 opt["cached_prompt_tokens"],
                 opt["served_rps"],
+                (r.get("workload") or "").strip(),
             )
         )
     return rows, digest

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from controller.acceptance import alpha_from_vllm_rate
 from controller.calibration import LoadRow
+from controller.errors import InputError
 from controller.model import (
     INTERVAL_Z,
     LatencyModel,
@@ -135,9 +136,9 @@ class PointCheck:
 
 def pool(checks: Sequence[RowCheck]) -> list[PointCheck]:
     """The runs of each mode at each rate as one point, in the order of their first run."""
-    groups: dict[tuple[bool, int, float], list[RowCheck]] = defaultdict(list)
+    groups: dict[tuple[str, bool, int, float], list[RowCheck]] = defaultdict(list)
     for c in checks:
-        groups[(*_curve_key(c.row), round(c.row.rate, 9))].append(c)
+        groups[(c.row.workload_name, *_curve_key(c.row), round(c.row.rate, 9))].append(c)
     points = []
     for group in groups.values():
         saturated = sum(c.measured_saturated for c in group)
@@ -402,6 +403,11 @@ def _break_evens(model: LatencyModel, points: Sequence[PointCheck]) -> list[Brea
 
 def validate(model: LatencyModel, rows: Sequence[LoadRow]) -> ValidationReport:
     """Check every load-test run, pool the runs at one rate, then summarize per mode and per draft length."""
+    workloads = sorted({r.workload_name for r in rows if r.workload_name})
+    if len(workloads) > 1:  # a mode's limit and break-even belong to one request mix
+        raise InputError(
+            f"load-test rows of several workloads ({', '.join(workloads)}): validate one workload at a time"
+        )
     checks = [check_row(model, r) for r in rows]
     points = pool(checks)
     return ValidationReport(

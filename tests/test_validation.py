@@ -557,6 +557,19 @@ def test_cli_a_bad_second_file_is_named(monkeypatch, capsys, tmp_path, calibrati
     assert len(err) == 1 and "bad.csv:2" in err[0] and "column sd" in err[0]
 
 
+def test_cli_refuses_load_tests_of_several_workloads(monkeypatch, capsys, tmp_path, calibration_file):
+    # Their rates would pool into one point and their limits into one bracket.
+    chat = write_load_csv(tmp_path / "chat.csv", [{**csv_row(1.0, False, 1.0), "workload": "chat"}])
+    code = write_load_csv(tmp_path / "code.csv", [{**csv_row(1.0, False, 1.2), "workload": "code"}])
+    assert run_cli(monkeypatch, str(calibration_file), str(chat), str(code)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "several workloads (chat, code): validate one workload at a time" in err[0]
+    again = write_load_csv(tmp_path / "again.csv", [{**csv_row(1.0, False, 1.4), "workload": "chat"}])
+    assert run_cli(monkeypatch, str(calibration_file), str(chat), str(again), "--json") == 0
+    (point,) = json.loads(capsys.readouterr().out)["points"]
+    assert point["runs"] == 2 and point["measured_s"] == pytest.approx(1.2)
+
+
 @pytest.mark.parametrize(
     ("line", "mutate", "needle"),
     [
