@@ -2,21 +2,14 @@
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.bench_scripts import run_bench
+
 STORED = "bench/results/fidelity-h100"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "bench/bench_batch_law.py", STORED, "--truth", "h100", "--workload", "chat", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_bench("bench_batch_law.py", STORED, "--truth", "h100", "--workload", "chat", *args)
 
 
 def test_both_laws_are_probabilities_and_the_truths_mean_is_littles():

@@ -2,21 +2,14 @@
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.bench_scripts import run_bench
+
 CAPACITY = re.compile(r"^\s+(recomputed|blocks cached)\s+capacity served ([\d.]+), limit predicted", flags=re.M)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "bench/bench_preempted_hits.py", "bench/results/fidelity-l40s", "--truth", "l40s", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_bench("bench_preempted_hits.py", "bench/results/fidelity-l40s", "--truth", "l40s", *args)
 
 
 def test_cached_blocks_serve_at_least_what_recomputing_does():

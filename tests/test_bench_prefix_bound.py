@@ -2,23 +2,16 @@
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.bench_scripts import run_bench
+
 LINE = re.compile(
     r"^\s+([\d.]+) req/s: served\s+([\d.]+)\s.*limit ([\d.]+)-([\d.]+), as measured ([\d.]+)-([\d.]+)$", flags=re.M
 )
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "bench/bench_prefix_bound.py", "--truth", "l40s", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_bench("bench_prefix_bound.py", "--truth", "l40s", *args)
 
 
 def test_the_measured_context_bounds_no_higher_than_the_capped_one():
