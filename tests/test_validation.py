@@ -557,6 +557,14 @@ def test_cli_a_bad_second_file_is_named(monkeypatch, capsys, tmp_path, calibrati
     assert len(err) == 1 and "bad.csv:2" in err[0] and "column sd" in err[0]
 
 
+def test_cli_plot_draws_pooled_rates(monkeypatch, capsys, tmp_path, calibration_file, load_csv):
+    again = write_load_csv(tmp_path / "again.csv", [csv_row(r, False, 1.5) for r in (1.0, 2.0)])
+    png = tmp_path / "pooled.png"
+    assert run_cli(monkeypatch, str(calibration_file), str(load_csv), str(again), "--plot", str(png)) == 0
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
 def test_cli_refuses_load_tests_of_several_workloads(monkeypatch, capsys, tmp_path, calibration_file):
     # Their rates would pool into one point and their limits into one bracket.
     chat = write_load_csv(tmp_path / "chat.csv", [{**csv_row(1.0, False, 1.0), "workload": "chat"}])

@@ -236,9 +236,25 @@ def plot(report: ValidationReport, path: Path) -> None:
     for i, mode in enumerate(modes):
         rows = sorted((c for c in report.rows if c.mode == mode), key=lambda c: c.row.rate)
         color = f"C{i}"
+        pooled = [p for p in report.points if p.mode == mode and len(p.runs) > 1 and p.measured_s is not None]
         ax.plot(
-            [c.row.rate for c in rows], [c.row.mean_e2e_s for c in rows], "o", color=color, label=f"{mode} measured"
+            [c.row.rate for c in rows],
+            [c.row.mean_e2e_s for c in rows],
+            "o",
+            color=color,
+            alpha=0.35 if pooled else 1.0,
+            label=f"{mode} measured" + (" (each run)" if pooled else ""),
         )
+        if pooled:  # the runs at one rate: their mean ± its standard error
+            ax.errorbar(
+                [p.rate for p in pooled],
+                [p.measured_s for p in pooled],
+                yerr=[p.measured_se_s or 0.0 for p in pooled],
+                fmt="s",
+                color=color,
+                capsize=3,
+                label=f"{mode} mean of the runs ± se",
+            )
         pred = [(c.row.rate, c.predicted_s) for c in rows if math.isfinite(c.predicted_s)]
         if pred:
             ax.plot(*zip(*pred, strict=True), "-", color=color, label=f"{mode} predicted")
