@@ -135,10 +135,11 @@ class PointCheck:
 
 
 def pool(checks: Sequence[RowCheck]) -> list[PointCheck]:
-    """The runs of each mode at each rate as one point, in the order of their first run."""
-    groups: dict[tuple[str, bool, int, float], list[RowCheck]] = defaultdict(list)
+    """The runs of each mode at each rate as one point, in the order of their first run (of one
+    workload: :func:`validate` refuses several)."""
+    groups: dict[tuple[bool, int, float], list[RowCheck]] = defaultdict(list)
     for c in checks:
-        groups[(c.row.workload_name, *_curve_key(c.row), round(c.row.rate, 9))].append(c)
+        groups[(*_curve_key(c.row), round(c.row.rate, 9))].append(c)
     points = []
     for group in groups.values():
         saturated = sum(c.measured_saturated for c in group)

@@ -41,12 +41,13 @@ them, as vLLM's ``get_computed_blocks`` does with the request's block hashes. Wi
 preempted request recomputes everything.
 
 Simplifications: only the declared prefix is shared (vLLM would also hit a preempted request's
-own earlier blocks, which ``cache_preempted_blocks`` adds, or identical blocks of unrelated prompts); a block computed twice by two
-requests of a group prefilling at once stays a private duplicate (as in vLLM) and only extends
-the pool when its request already references the whole pool; pool blocks nobody references
-count as free, as vLLM's free queue does (the KV gauge leaves them out), and are evicted only
-once the never-cached free blocks are gone, least recently used group first, from the tail
-(vLLM's LRU queue can evict an idle prefix before blocks freed after its last use).
+own earlier blocks, which ``cache_preempted_blocks`` adds, or identical blocks of unrelated
+prompts); a block computed twice by two requests of a group prefilling at once stays a private
+duplicate (as in vLLM) and only extends the pool when its request already references the whole
+pool; pool blocks nobody references count as free, as vLLM's free queue does (the KV gauge
+leaves them out), and are evicted only once the never-cached free blocks are gone, least
+recently used group first, from the tail (vLLM's LRU queue can evict an idle prefix before
+blocks freed after its last use).
 
 Costs come from :mod:`controller.sim.gpu` (the target's pass over all scheduled tokens, the
 draft's pass over the same tokens — it prefills every prompt too — then γ−1 single-token draft
