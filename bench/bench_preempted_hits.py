@@ -7,8 +7,9 @@ longer than the step's budget in the middle of their prefill (the L40S truth, 20
 4k prompts), the truth without hits wastes the chunks it computed and the model's limit reads
 15 % above what it serves. This runs one directory's load test at its rates on both truths (the
 same arrivals) and sets each run, and the capacity of each truth's first saturated rate, beside
-the model (DIR/calibration.json, given each run's workload as ``validate`` gives it). Prints
-figures; asserts nothing.
+the model (DIR/calibration.json, given each run's workload as ``validate`` gives it, and told
+whether the server caches prefixes as a bench of it records: the recompute priced at 1 + r or
+1 + r², model._kv_thrash_rps). Prints figures; asserts nothing.
 
     python bench/bench_preempted_hits.py bench/results/fidelity-l40s --truth l40s --workload long_prompt \\
         --draft-lengths 0,2,4 --rates 1,1.25,1.5,1.75,2.5
@@ -45,10 +46,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of arrivals per rate")
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
-    model = cal_mod.load(args.dir / "calibration.json").latency_model()
+    base = cal_mod.load(args.dir / "calibration.json").latency_model()
     truth = TRUTHS[args.truth][0]
-    if model.max_num_batched_tokens is not None:
-        truth = dataclasses.replace(truth, max_num_batched_tokens=model.max_num_batched_tokens)
+    if base.max_num_batched_tokens is not None:
+        truth = dataclasses.replace(truth, max_num_batched_tokens=base.max_num_batched_tokens)
     print(f"{args.truth} {args.workload}, {args.duration:.0f} s per rate, seed {args.seed}, calibration {args.dir}")
     for gamma in (int(g) for g in args.draft_lengths):
         load = fidelity.LoadSettings(
@@ -65,6 +66,9 @@ def main() -> None:
                     dataclasses.replace(truth, cache_preempted_blocks=hits), load, args.workload, Path(tmp)
                 )
             name = "blocks cached" if hits else "recomputed  "
+            # The calibration a bench of this server writes: told by it whether it caches
+            # (vllm:cache_config_info), the micro-benchmarks the same (they never preempt).
+            model = dataclasses.replace(base, prefix_caching=hits)
             for row in rows:
                 check = check_row(model, row)
                 pred = "overloaded" if check.predicted_overloaded else f"{check.predicted_s:7.2f} s"

@@ -30,7 +30,10 @@ from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, 
 SCHEMA_VERSION = 2
 BENCH_COLUMNS = ("phase", "batch_size", "tokens_per_seq", "context_len", "iteration", "latency_s")
 BENCH_OPTIONAL_COLUMNS = ("draft_length", "chunk_tokens")
-BENCH_PHASES = ("prefill", "target", "verify", "mixed", "draft", "kv_cache")
+BENCH_PHASES = ("prefill", "target", "verify", "mixed", "draft", "kv_cache", "prefix_caching")
+# Rows that record a fact about the server, not a timing: kv_cache (the capacity in tokens, as
+# context_len) and prefix_caching (context_len 1 when it caches prefixes, 0 when not).
+FACT_PHASES = ("kv_cache", "prefix_caching")
 LOAD_COLUMNS = (
     "rate",
     "sd",
@@ -178,6 +181,11 @@ class Serving(_Strict):
     )
     kv_cache_tokens_off: int | None = Field(default=None, ge=1, description="KV cache capacity without SD, tokens")
     kv_cache_tokens_on: int | None = Field(default=None, ge=1, description="KV cache capacity with SD, tokens")
+    prefix_caching: bool | None = Field(
+        default=None,
+        description="vLLM --enable-prefix-caching as the bench read it (vllm:cache_config_info): a preempted"
+        " request's blocks stay cached for its readmission; None: not recorded, priced as off (the dearer)",
+    )
 
 
 class Uncertainty(_Strict):
@@ -252,6 +260,7 @@ class CalibrationFile(_Strict):
             max_num_batched_tokens=self.serving.max_num_batched_tokens,
             kv_cache_tokens_off=self.serving.kv_cache_tokens_off,
             kv_cache_tokens_on=self.serving.kv_cache_tokens_on,
+            prefix_caching=bool(self.serving.prefix_caching),
             moe=Moe(self.moe.num_experts, self.moe.top_k) if self.moe else None,
             scale_off=self.load_correction.scale_off,
             scale_on=self.load_correction.scale_on,
@@ -461,6 +470,8 @@ def read_bench_csv(path: str | Path) -> tuple[list[BenchRow], str]:
             raise InputError(f"{p}:{line}: column chunk_tokens: a mixed row needs a prompt chunk >= 1")
         if phase == "kv_cache" and ctx < 1:
             raise InputError(f"{p}:{line}: column context_len: a kv_cache row needs the capacity in tokens")
+        if phase == "prefix_caching" and ctx not in (0, 1):
+            raise InputError(f"{p}:{line}: column context_len: a prefix_caching row is 1 (on) or 0 (off), got {ctx:g}")
         rows.append(BenchRow(phase, int(batch), int(tps), ctx, int(it), lat, line, gamma, chunk, str(p)))
     return rows, digest
 
@@ -564,11 +575,11 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
 
 
 def drop_warmup(rows: Iterable[BenchRow], warmup: int, where: str = "bench") -> list[BenchRow]:
-    """Drop the first ``warmup`` iterations of every measured group (kv_cache rows are facts)."""
+    """Drop the first ``warmup`` iterations of every measured group (FACT_PHASES rows are facts)."""
     groups: dict[tuple, list[BenchRow]] = defaultdict(list)
     kept: list[BenchRow] = []
     for r in rows:
-        if r.phase == "kv_cache":
+        if r.phase in FACT_PHASES:
             kept.append(r)
             continue
         groups[
@@ -1089,6 +1100,13 @@ def _kv_tokens(rows: Sequence[BenchRow], sd: bool) -> int | None:
     return int(min(caps)) if caps else None
 
 
+def _prefix_caching(rows: Sequence[BenchRow]) -> bool | None:
+    """Whether the benchmarked servers cache prefixes: on only where every one that said so is
+    on (the cheaper recompute is priced only where it is sure); None where none said."""
+    said = [r.context_len > 0 for r in rows if r.phase == "prefix_caching"]
+    return all(said) if said else None
+
+
 # A batch whose KV context fills this much of the cache is about to be preempted as it grows.
 KV_FILL_LIMIT = 0.98
 
@@ -1390,6 +1408,7 @@ def calibrate(
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_tokens_off=_kv_tokens(bench_rows, False),
         kv_cache_tokens_on=_kv_tokens(bench_rows, True),
+        prefix_caching=_prefix_caching(bench_rows),
     )
     cal = CalibrationFile(
         schema_version=SCHEMA_VERSION, metadata=meta, serving=serving, moe=moe, phases=phases, uncertainty=unc

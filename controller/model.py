@@ -198,6 +198,10 @@ class LatencyModel:
     # None: only max_num_seqs bounds the batch.
     kv_cache_tokens_off: float | None = None
     kv_cache_tokens_on: float | None = None
+    # The server caches prefixes (vLLM's enable_prefix_caching, on by default since v1): a
+    # preempted request's computed blocks stay cached until evicted, so its readmission
+    # recomputes only what the running batch's growth evicted (_kv_thrash_rps).
+    prefix_caching: bool = False
     moe: Moe | None = None
     # Load-test correction: multiplies every step cost of that mode (1.0 = micro-benchmark as is).
     scale_off: float = 1.0
@@ -731,18 +735,25 @@ def _kv_thrash_rps(
     prompt_tokens: float,
     gen_tokens: float,
     chunked_s: float = 0.0,
+    prefix_caching: bool = False,
 ) -> float:
     """The rate a batch that fills the KV cache finishes at: prompts are recomputed.
 
     vLLM admits a waiting prompt whenever its blocks are free, so a full cache is left with less
     than the next prompt's worth of blocks, while the running sequences keep growing; when a
     step finds no block for them the newest request is preempted and later recomputed. With the
-    leftover ~uniform on [0, P) and the growth until the next completion ~exponential with mean
-    G (a request grows by G over its life, one finishes per request's worth of steps), a
-    completion is followed by a preemption with probability r = (G/P)·(1 − e^(−P/G)), each
-    recomputing about a prompt: every request's prompt work grows by the factor 1 + r. On the
-    fidelity bench's truth (heavy-tailed 1.4k-token prompts, 500 generated) r = 0.33; the
+    leftover U ~uniform on [0, P) and the growth X until the next completion ~exponential with
+    mean G (a request grows by G over its life, one finishes per request's worth of steps), a
+    completion is followed by a preemption with probability r = P(X > U) = (G/P)·(1 − e^(−P/G)),
+    each recomputing about a prompt: every request's prompt work grows by the factor 1 + r. On
+    the fidelity bench's truth (heavy-tailed 1.4k-token prompts, 500 generated) r = 0.33; the
     recompute measured was 0.29–0.49 of the prompt tokens once the cache was full.
+
+    With ``prefix_caching`` the victim's computed blocks stay cached when it is preempted (vLLM
+    frees them with their hashes; the free queue hands out the least recently freed first), and
+    its readmission, at the next completion, recomputes only the blocks the growth took since:
+    (X − U)⁺ tokens, at most its prompt. E[min((X − u)⁺, P)] = G·e^(−u/G)·(1 − e^(−P/G)), and
+    over u ~ U[0, P) that is r·G·(1 − e^(−P/G)) = r²·P: the factor is 1 + r², not 1 + r.
 
     The full batch's step is τ(B)·steps + B·Δ(B) per request (T at the bound), of which the
     prompts are B·Δ(B) (and ``chunked_s`` more each where the budget cuts them:
@@ -750,6 +761,8 @@ def _kv_thrash_rps(
     """
     p, g = max(prompt_tokens, 1e-9), max(gen_tokens, 1e-9)
     r = min(1.0, g / p * -math.expm1(-p / g))
+    if prefix_caching:
+        r *= r
     s0, s1, d0, d1 = lines[bisect.bisect_left(ends, bound)]
     decode, prompts = steps * (s0 + s1 * bound), bound * (d0 + d1 * bound + chunked_s)
     full = math.exp(chain[-1] - chain[-2])  # the top state's rate
@@ -840,7 +853,15 @@ def mode_curve(
     reason = "throughput_peak" if peak_b < bound * (1.0 - 1e-9) else "kv_cache" if kv_bound else "max_num_seqs"
     if kv_bound and p > 0:
         thrash = _kv_thrash_rps(
-            lines, ends, steps, chain, bound, mean_p, g, 0.0 if chunks is None else float(chunks[0][-1])
+            lines,
+            ends,
+            steps,
+            chain,
+            bound,
+            mean_p,
+            g,
+            0.0 if chunks is None else float(chunks[0][-1]),
+            model.prefix_caching,
         )
         if thrash < limit:
             limit, fill, peak_b, reason = thrash, limit, bound, "kv_recompute"

@@ -79,6 +79,8 @@ def bench_rows(
     if model.kv_cache_tokens_on:
         gamma = draft_lengths[0] if draft_lengths else 1
         rows.append(BenchRow("kv_cache", 1, 1, float(model.kv_cache_tokens_on), 0, 0.0, len(rows) + 2, gamma, 0))
+    if model.prefix_caching:  # a server says so only where it caches (vllm:cache_config_info)
+        rows.append(BenchRow("prefix_caching", 1, 1, 1.0, 0, 0.0, len(rows) + 2, 0, 0))
     return rows
 
 

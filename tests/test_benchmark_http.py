@@ -11,6 +11,7 @@ import argparse
 import csv
 import io
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ from controller.commands import bench as cli
 from tests.support.fake_vllm import FakeVllmServer
 
 SECRET = "sk-very-secret-token"
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu"
 
 
 @pytest.fixture
@@ -69,6 +71,21 @@ def test_counters_and_info_from_metrics(fake):
     off = fake()
     assert HttpServer(off.url, "tiny", 10).counters().accepted_tokens is None
     assert HttpServer(off.url, "tiny", 10).info().kv_cache_tokens is None
+
+
+@pytest.mark.parametrize("caching", [True, False, None])
+def test_prefix_caching_is_read_from_the_cache_config_label(fake, caching):
+    server = fake(cache_config=(100, 16), prefix_caching=caching)
+    assert HttpServer(server.url, "tiny", 10).info().prefix_caching is caching
+
+
+def test_prefix_caching_on_a_real_vllm_capture(fake):
+    # vLLM 0.32 (CPU build) as captured: prefix caching on by default, 8192 blocks of 128.
+    text = (FIXTURES / "metrics-sd-off.txt").read_text()
+    server = fake()
+    server.render = lambda: text
+    info = HttpServer(server.url, "tiny", 10).info()
+    assert (info.prefix_caching, info.kv_cache_tokens, info.block_size) == (True, 8192 * 128, 128)
 
 
 def test_draft_length_is_cross_checked_with_the_sd_series(fake):
@@ -132,20 +149,20 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_cli_micro_writes_the_csv(fake, tmp_path, capsys):
-    server = fake(prefill_s=0.0, step_s=0.001, cache_config=(100, 16))
+    server = fake(prefill_s=0.0, step_s=0.001, cache_config=(100, 16), prefix_caching=True)
     out = tmp_path / "bench.csv"
     args = parse("--url", server.url, "--model", "tiny", "--batch-sizes", "2", "--iterations", "3",
                  "--gen-tokens", "4", "--prompt-tokens", "8", "-o", str(out))  # fmt: skip
     assert cli.run(args) == 0
-    assert "7 rows" in capsys.readouterr().err
+    assert "8 rows" in capsys.readouterr().err
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
     assert list(rows[0]) == ["phase", "batch_size", "tokens_per_seq", "context_len", "iteration", "latency_s",
                              "draft_length", "chunk_tokens"]  # fmt: skip
     assert [(r["phase"], r["iteration"]) for r in rows] == [
         ("prefill", "0"), ("target", "0"), ("prefill", "1"), ("target", "1"), ("prefill", "2"), ("target", "2"),
-        ("kv_cache", "0"),
+        ("kv_cache", "0"), ("prefix_caching", "0"),
     ]  # fmt: skip
-    assert rows[-1]["context_len"] == "1600"
+    assert (rows[-2]["context_len"], rows[-1]["context_len"]) == ("1600", "1")
 
 
 def test_cli_load_test_writes_one_row_per_rate(fake, tmp_path, monkeypatch):

@@ -189,6 +189,7 @@ def write(tmp_path: Path, text: str) -> Path:
         (HEADER + "decode,1,1,10,0,0.1\n", "bench.csv:2: column phase: unknown phase 'decode'"),
         (HEADER + "target,1.5,1,10,0,0.1\n", "bench.csv:2: column batch_size: '1.5' is not an integer"),
         (HEADER + "target,0,1,10,0,0.1\n", "bench.csv:2: column batch_size: 0 must be >= 1"),
+        (HEADER + "prefix_caching,1,1,2,0,0\n", "bench.csv:2: column context_len: a prefix_caching row is 1 (on)"),
         (HEADER, "no data rows"),
     ],
 )
@@ -469,3 +470,37 @@ def test_without_steps_repeated_at_another_context_the_kv_read_is_fitted_jointly
     cal = calibrate(single, warmup=0)
     assert not any("repeated at a longer context" in n for n in cal.phases.target.fit.notes)
     assert cal.phases.target.context_s_per_token == pytest.approx(TRUE.target.context_s_per_token, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("said", "expected"),
+    [((), None), ((1,), True), ((0,), False), ((1, 1), True), ((1, 0), False)],
+)
+def test_prefix_caching_is_what_every_benchmarked_server_said(tmp_path, said, expected):
+    # A server with SD and one without, each saying whether it caches prefixes: the cheaper
+    # recompute is priced only where every one that said so is on; None where none said.
+    rows = bench_rows(TRUE, batch_sizes=BATCHES, noise=0.0, iterations=4, warmup_penalty=0.0)
+    facts = [
+        cal_mod.BenchRow("prefix_caching", 1, 1, float(on), 0, 0.0, 0, g)
+        for on, g in zip(said, (0, 4)[: len(said)], strict=True)
+    ]
+    cal = calibrate(rows + facts, warmup=1)
+    assert cal.serving.prefix_caching is expected
+    assert cal.latency_model().prefix_caching is bool(expected)
+    # The recorded fact survives the file; a file without it (older ones) loads as not recorded.
+    out = tmp_path / "cal.json"
+    save(cal, out)
+    assert load(out).serving.prefix_caching is expected
+    raw = json.loads(out.read_text())
+    raw["serving"].pop("prefix_caching")
+    out.write_text(json.dumps(raw))
+    assert load(out).serving.prefix_caching is None
+
+
+def test_prefix_caching_round_trips_from_a_bench_csv(tmp_path):
+    caching = replace(TRUE, kv_cache_tokens_off=400_000, prefix_caching=True)
+    path = tmp_path / "bench.csv"
+    write_bench_csv(bench_rows(caching, batch_sizes=BATCHES, noise=0.0, iterations=4), path)
+    rows, _ = read_bench_csv(path)
+    assert [r.context_len for r in rows if r.phase == "prefix_caching"] == [1.0]
+    assert calibrate(rows, warmup=1).latency_model().prefix_caching is True

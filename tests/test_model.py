@@ -327,6 +327,30 @@ def test_the_limit_says_what_sets_it(target, model_kw, workload, reason):
         assert off.peak_batch < off.batch_bound
 
 
+def test_prefix_caching_recomputes_only_what_the_growth_evicted():
+    # With the victim's blocks cached, its readmission recomputes (X − U)⁺ tokens, at most its
+    # prompt: on average r²·P. Checked by sampling the growth X ~ Exp(G) and the leftover U.
+    p, g = 1000.0, 250.0
+    r = g / p * (1.0 - math.exp(-p / g))
+    rng = np.random.default_rng(3)
+    x, u = rng.exponential(g, 400_000), rng.uniform(0.0, p, 400_000)
+    assert np.mean(x > u) == pytest.approx(r, rel=0.01)  # a preemption per completion
+    assert np.mean(np.minimum(np.maximum(x - u, 0.0), p)) / p == pytest.approx(r * r, rel=0.02)
+    # The model prices it so: the full batch's rate falls by 1 + r² of the prompts' share, not 1 + r.
+    w = Workload(p, g, g)
+    m = LatencyModel(
+        target=StepCost(0.010, 2e-5, context_s_per_token=2e-8), max_num_seqs=256, kv_cache_tokens_off=100_000
+    )
+    recompute, _ = curves(m, 0.7, 0, w)
+    cached, _ = curves(replace(m, prefix_caching=True), 0.7, 0, w)
+    b = cached.batch_bound
+    decode, prompts = cached.steps * cached.step(b), b * cached.prompt(b)
+    assert cached.thrash_rps / recompute.thrash_rps == pytest.approx(
+        (decode + prompts * (1.0 + r)) / (decode + prompts * (1.0 + r * r)), rel=1e-9
+    )
+    assert recompute.stability_limit_rps < cached.stability_limit_rps == cached.thrash_rps < cached.cache_fill_limit_rps
+
+
 def test_prediction_interval_is_the_scaled_costs():
     m = replace(simple(max_num_seqs=50), relative_sd_off=0.05, relative_sd_on=0.08)
     p = predict_point(m, 3.0, 0.6, 2, W)

@@ -148,7 +148,7 @@ class HttpServer:
                 f"{self.url}/metrics has no vllm:spec_decode_* series but --draft-length is {self.draft_length}: "
                 "is SD on?"
             )
-        kv_tokens = block_size = None
+        kv_tokens = block_size = prefix_caching = None
         for s in samples:
             if s.name == CACHE_INFO:
                 try:
@@ -156,9 +156,15 @@ class HttpServer:
                     kv_tokens = int(s.labels["num_gpu_blocks"]) * block_size
                 except (KeyError, ValueError):
                     kv_tokens = block_size = None
+                # vLLM writes its config's Python values as labels: "True" / "False".
+                prefix_caching = {"true": True, "false": False}.get(s.labels.get("enable_prefix_caching", "").lower())
                 break
         return ServerInfo(
-            self.draft_length, kv_tokens, block_size=block_size, max_num_batched_tokens=self.max_num_batched_tokens
+            self.draft_length,
+            kv_tokens,
+            block_size=block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            prefix_caching=prefix_caching,
         )
 
     def gauges(self) -> list[GaugeSample]:

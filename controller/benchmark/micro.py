@@ -28,6 +28,9 @@ never anything a real server would not show. Rows (``csvio.BenchRow``), per batc
   known); acceptance differs between runs A and B (corrected by the counter delta of run B).
 * ``kv_cache`` (one row per server, when ``info()`` knows it): context_len = KV capacity in
   tokens, batch_size = tokens_per_seq = 1, latency_s = 0.
+* ``prefix_caching`` (one row per server, when ``info()`` knows it): context_len = 1 when it
+  caches prefixes (vllm:cache_config_info enable_prefix_caching), 0 when not; the model prices
+  a preempted request's recompute by it.
 """
 
 from __future__ import annotations
@@ -482,4 +485,6 @@ def run_micro(
             progress(batch)
     if info.kv_cache_tokens is not None:
         rows.append(BenchRow("kv_cache", 1, 1, info.kv_cache_tokens, 0, 0.0, gamma))
+    if info.prefix_caching is not None:  # a fact as context_len: 1 on, 0 off
+        rows.append(BenchRow("prefix_caching", 1, 1, int(info.prefix_caching), 0, 0.0, gamma))
     return rows

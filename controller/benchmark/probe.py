@@ -65,6 +65,9 @@ class ServerInfo:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int | None = None  # vllm:cache_config_info block_size: tokens per KV block
+    # vllm:cache_config_info enable_prefix_caching: a preempted request's computed blocks stay
+    # cached for its readmission (None: not exported)
+    prefix_caching: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ def print_report(cal: cal_mod.CalibrationFile, console: Console) -> None:
     sv, unc = cal.serving, cal.uncertainty
     console.print(
         f"SD step overhead {cal.phases.sd_overhead_s * 1e3:.3f} ms; KV cache {sv.kv_cache_tokens_off or '-'} tokens"
-        f" (SD off) / {sv.kv_cache_tokens_on or '-'} (SD on); step-cost error ±{unc.relative_sd_off * 100:.1f} % off,"
+        f" (SD off) / {sv.kv_cache_tokens_on or '-'} (SD on), prefix caching"
+        f" {'-' if sv.prefix_caching is None else 'on' if sv.prefix_caching else 'off'}; step-cost error ±{unc.relative_sd_off * 100:.1f} % off,"
         f" ±{unc.relative_sd_on * 100:.1f} % on (1σ, carried to prediction intervals)"
     )
     if cal.load_check:

@@ -37,6 +37,9 @@ class SimulatedServer:
             max_num_seqs=self.spec.max_num_seqs,
             max_num_batched_tokens=self.spec.max_num_batched_tokens,
             block_size=self.spec.block_size,
+            # What the model prices: a preempted request's blocks kept for its readmission. (Its
+            # prefix groups' sharing is measured apart, by vllm:prompt_tokens_cached_total.)
+            prefix_caching=self.spec.cache_preempted_blocks,
         )
 
     def gauges(self) -> list[GaugeSample]:

@@ -62,6 +62,7 @@ class FakeVllmServer:
         self.port = 0
         # The completion endpoints (tests set these directly).
         self.cache_config: tuple[int, int] | None = None
+        self.prefix_caching: bool | None = None  # enable_prefix_caching on cache_config_info (None: no label)
         self.api_key: str | None = None
         self.prefill_s = 0.01
         self.step_s = 0.002
@@ -132,10 +133,11 @@ class FakeVllmServer:
         text = render(self._counters)
         if self.cache_config is not None:
             blocks, block_size = self.cache_config
+            apc = "" if self.prefix_caching is None else f'enable_prefix_caching="{self.prefix_caching}",'
             text += (
                 "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
                 "# TYPE vllm:cache_config_info gauge\n"
-                f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",engine="{self.engine}",'
+                f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",{apc}engine="{self.engine}",'
                 f'num_cpu_blocks="None",num_gpu_blocks="{blocks}"}} 1.0\n'
             )
         return text
