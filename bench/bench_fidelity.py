@@ -20,7 +20,9 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
 A100_COARSE: another GPU, 128-token GEMM tiles, a slower host); its load tests default to the
 rates around its capacity. ``--truth l40s`` is a third (gpu.py's L40S run with vLLM's defaults
 for a 48 GB card: a 2048-token step budget, so long prompts span steps, and a KV cache that
-fills before 256 sequences do).
+fills before 256 sequences do). ``--cache-preempted-blocks`` makes the truth keep a preempted
+request's computed blocks cached for its readmission, as vLLM 0.32 does with prefix caching on
+(its default); the stored directories recompute, except those named ``-apc``.
 
 Near a limit one run's mean is one draw of a queue that remembers its bursts for minutes (±5–10 %
 from arrival seed to arrival seed at 0.9 of capacity). ``--replicate`` runs DIR's load tests again
@@ -46,6 +48,7 @@ from controller.benchmark.loadtest import rate_rng
 from controller.commands.validate import to_dict
 from controller.errors import InputError
 from controller.sim import fidelity, gpu
+from controller.sim.truth_workloads import MIXES
 from controller.validation import ValidationReport, validate
 
 L40S_RATES = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 3, 4, 4.5, 5, 5.5, 6)
@@ -84,6 +87,13 @@ def main() -> None:
         default=None,
         help="the truth's step token budget instead of its own (e.g. 2048, vLLM's API-server default on A100s);"
         " the bench and the calibration are told it, as a user would",
+    )
+    ap.add_argument(
+        "--cache-preempted-blocks",
+        action="store_true",
+        help="the truth keeps a preempted request's computed blocks cached for its readmission, as vLLM with prefix"
+        " caching (its default) does; its bench records it and the calibration prices the recompute so"
+        " (not with the prefix-group workloads)",
     )
     ap.add_argument(
         "--revalidate",
@@ -175,6 +185,8 @@ def main() -> None:
         if args.max_num_batched_tokens < 256:
             ap.error(f"--max-num-batched-tokens: a budget of at least 256 tokens, got {args.max_num_batched_tokens}")
         truth = dataclasses.replace(truth, max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.cache_preempted_blocks:
+        truth = dataclasses.replace(truth, cache_preempted_blocks=True)
     if args.rates:
         try:
             rates = tuple(float(r) for r in args.rates.split(","))
@@ -193,6 +205,14 @@ def main() -> None:
         load = dataclasses.replace(load, draft_lengths=gammas)
     if args.quick:
         load = fidelity.LoadSettings(duration_s=120.0, rates=(1, 4, 8, 12), workloads=("chat",))
+    unknown = [w for w in load.workloads if w not in MIXES]
+    if unknown:
+        ap.error(
+            f"--workloads: unknown {unknown[0]!r} in {','.join(load.workloads)} (expected one of {', '.join(MIXES)})"
+        )
+    shared = [w for w in load.workloads if any(c.prefix_groups for c, _ in MIXES[w].classes)]
+    if args.cache_preempted_blocks and shared:
+        ap.error(f"--cache-preempted-blocks: not modelled with prefix groups (workload {shared[0]!r})")
     started = time.monotonic()
     run = fidelity.run(
         truth=truth,
@@ -254,10 +274,11 @@ def _stored_load_tests(
     csvs = sorted(workdir.glob("load-*.csv"))
     if not csvs:
         raise InputError(f"{workdir}: no load-*.csv to {what}")
-    budget = cal_mod.load(workdir / "calibration.json").latency_model().max_num_batched_tokens
-    if budget is not None:
-        truth = dataclasses.replace(truth, max_num_batched_tokens=budget)
-    return csvs, truth
+    model = cal_mod.load(workdir / "calibration.json").latency_model()
+    if model.max_num_batched_tokens is not None:
+        truth = dataclasses.replace(truth, max_num_batched_tokens=model.max_num_batched_tokens)
+    # A truth that cached a preempted request's blocks said so to its bench (--cache-preempted-blocks).
+    return csvs, dataclasses.replace(truth, cache_preempted_blocks=model.prefix_caching)
 
 
 def _test_duration(path: Path, rows: list[dict[str, str]]) -> float:

@@ -22,6 +22,7 @@ def bench_fidelity(*args: str) -> subprocess.CompletedProcess:
         ("--draft-lengths", "3,x", "not a comma-separated list of integers"),
         ("--draft-lengths", "3,-1", "0 (SD off) or more"),
         ("--max-num-batched-tokens", "64", "at least 256 tokens"),
+        ("--workloads", "chat,nope", "unknown 'nope'"),
     ],
 )
 def test_a_bad_option_is_refused_before_anything_runs(tmp_path, option, value, why):
@@ -31,6 +32,15 @@ def test_a_bad_option_is_refused_before_anything_runs(tmp_path, option, value, w
     last = run.stderr.strip().splitlines()[-1]
     assert option in last and why in last and value in last
     assert not out.exists()  # nothing benched, nothing written
+
+
+def test_cached_preempted_blocks_are_refused_with_prefix_groups(tmp_path):
+    out = tmp_path / "out"
+    run = bench_fidelity("--cache-preempted-blocks", "--workloads", "long_tail,agent", "--out", str(out))
+    assert run.returncode == 2
+    last = run.stderr.strip().splitlines()[-1]
+    assert "--cache-preempted-blocks: not modelled with prefix groups (workload 'agent')" in last
+    assert not out.exists()
 
 
 def test_recalibrate_needs_revalidate(tmp_path):
