@@ -40,8 +40,9 @@ def test_pipeline_predicts_the_simulated_server_within_ten_percent(tmp_path):
         bench_csv = tmp_path / f"bench-g{gamma}.csv"
         rows, _ = cal_mod.read_bench_csv(bench_csv)
         phases = {r.phase for r in rows}
-        facts = {"kv_cache", "prefix_caching"}
-        assert phases == ({"prefill", "target", "mixed"} if gamma == 0 else {"prefill", "verify", "mixed"}) | facts
+        assert phases == (
+            {"prefill", "target", "mixed", "kv_cache"} if gamma == 0 else {"prefill", "verify", "mixed", "kv_cache"}
+        )
         assert {r.draft_length for r in rows} == {gamma}
     assert len(log) == 1 + len(BENCH.draft_lengths)
 
@@ -55,7 +56,7 @@ def test_pipeline_predicts_the_simulated_server_within_ten_percent(tmp_path):
     assert serving.kv_cache_tokens_off == truth.spec(0).kv_tokens()
     assert serving.kv_cache_tokens_on == truth.spec(4).kv_tokens()
     assert serving.kv_cache_tokens_off > serving.kv_cache_tokens_on  # the draft's weights and KV take room
-    assert serving.prefix_caching is truth.cache_preempted_blocks  # read from the server, as the rest
+    assert serving.prefix_caching is None  # this truth recomputes a preempted request and says nothing
 
     rows = fidelity.load_test(truth, LOAD, "chat", tmp_path, log.append)
     assert (tmp_path / "load-chat.csv").is_file()

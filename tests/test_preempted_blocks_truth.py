@@ -9,8 +9,12 @@ from dataclasses import fields, replace
 import numpy as np
 import pytest
 
+from controller.benchmark.csvio import bench_csv
+from controller.benchmark.micro import MicroPlan, run_micro
+from controller.calibration import read_bench_csv
 from controller.sim import gpu as g
 from controller.sim.fidelity import TruthServer
+from controller.sim.simserver import SimulatedServer
 from controller.sim.stepsim import ServerSpec, _PreemptedBlocks, simulate
 
 BS = 16
@@ -93,3 +97,19 @@ def test_not_modelled_together_with_prefix_groups():
 def test_the_truth_server_passes_the_option_on():
     assert TruthServer(cache_preempted_blocks=True).spec(4).cache_preempted_blocks
     assert not TruthServer().spec(0).cache_preempted_blocks
+
+
+def test_a_bench_of_the_caching_server_records_it_for_the_model(tmp_path):
+    # As a real vLLM's cache_config_info says enable_prefix_caching: the simulated server says so
+    # where it keeps a preempted request's blocks, and the micro-benchmark's CSV writes it down
+    # for calibrate (tests/test_calibration.py: what the model makes of it). The recomputing
+    # truth says nothing.
+    plan = MicroPlan(phases=("prefill", "target"), batch_sizes=(1, 2), prompt_tokens=64, gen_tokens=8, iterations=2)
+    for caching, said in ((True, [1.0]), (False, [])):
+        server = SimulatedServer(TruthServer(cache_preempted_blocks=caching).spec(0), seed=1)
+        assert server.info().prefix_caching is (True if caching else None)
+        path = tmp_path / f"bench-{caching}.csv"
+        path.write_text(bench_csv(run_micro(server, plan)), encoding="utf-8")
+        rows, _ = read_bench_csv(path)
+        assert [r.context_len for r in rows if r.phase == "prefix_caching"] == said
+        assert [r.phase for r in rows].count("kv_cache") == 1

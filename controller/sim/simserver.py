@@ -37,9 +37,11 @@ class SimulatedServer:
             max_num_seqs=self.spec.max_num_seqs,
             max_num_batched_tokens=self.spec.max_num_batched_tokens,
             block_size=self.spec.block_size,
-            # What the model prices: a preempted request's blocks kept for its readmission. (Its
-            # prefix groups' sharing is measured apart, by vllm:prompt_tokens_cached_total.)
-            prefix_caching=self.spec.cache_preempted_blocks,
+            # What the model prices: a preempted request's blocks kept for its readmission (its
+            # prefix groups' sharing is measured apart, by vllm:prompt_tokens_cached_total). Said
+            # only when on, as no label at all: the benches stored before it said anything
+            # reproduce byte for byte (their digests tie calibrations to them).
+            prefix_caching=True if self.spec.cache_preempted_blocks else None,
         )
 
     def gauges(self) -> list[GaugeSample]:
