@@ -1396,8 +1396,13 @@ def calibrate(
     correct: bool = False,
     metadata: Metadata | None = None,
     where: str = "bench",
+    prefix_caching: bool | None = None,
 ) -> CalibrationFile:
-    """Fit a whole calibration (pure: rows and options in, file object out)."""
+    """Fit a whole calibration (pure: rows and options in, file object out).
+
+    ``prefix_caching`` overrides what the bench recorded (its ``prefix_caching`` rows): for a
+    bench made before it recorded that, or a server relaunched with the other setting since.
+    """
     moe_model = Moe(moe.num_experts, moe.top_k) if moe else None
     phases, unc = fit_phases(bench_rows, warmup, moe_model, where, max_num_batched_tokens)
     meta = metadata or Metadata()
@@ -1408,7 +1413,7 @@ def calibrate(
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_tokens_off=_kv_tokens(bench_rows, False),
         kv_cache_tokens_on=_kv_tokens(bench_rows, True),
-        prefix_caching=_prefix_caching(bench_rows),
+        prefix_caching=_prefix_caching(bench_rows) if prefix_caching is None else prefix_caching,
     )
     cal = CalibrationFile(
         schema_version=SCHEMA_VERSION, metadata=meta, serving=serving, moe=moe, phases=phases, uncertainty=unc

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -82,6 +83,19 @@ def test_calibrate_writes_and_reports(tmp_path, capsys):
     assert cal["phases"]["draft"]["fit"]["r2"] > 0.95
     # The fitted file drives predict.
     assert main(["predict", "--calibration", str(out), "--json"]) == 0
+
+
+def test_calibrate_prefix_caching_from_the_bench_or_the_flag(tmp_path, capsys):
+    # The bench of a server that caches prefixes says so; --prefix-caching overrides it (a server
+    # relaunched since, or a bench from before it said anything), and the report prints it.
+    src = tmp_path / "bench.csv"
+    caching = replace(TRUE, prefix_caching=True, kv_cache_tokens_off=100_000)
+    write_bench_csv(bench_rows(caching, batch_sizes=(1, 2, 4, 8, 16, 32, 64), seed=3), src)
+    out = tmp_path / "cal.json"
+    for flag, expected, shown in (([], True, "prefix caching on"), (["--prefix-caching", "off"], False, "caching off")):
+        assert main(["calibrate", str(src), "-o", str(out), *flag]) == 0
+        assert shown in capsys.readouterr().out
+        assert json.loads(out.read_text())["serving"]["prefix_caching"] is expected
 
 
 def test_calibrate_bad_csv_writes_nothing(tmp_path):

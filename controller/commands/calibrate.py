@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, help="vLLM --max-num-batched-tokens (the per-step token budget), if set"
     )
+    p.add_argument(
+        "--prefix-caching",
+        choices=("on", "off"),
+        help="vLLM --enable-prefix-caching of the server, instead of what the bench read from its /metrics (a bench"
+        " from before it did, or a server relaunched since); prices the recompute after a preemption at a full KV"
+        " cache",
+    )
     p.add_argument("--moe-experts", type=int, help="MoE target: number of experts E")
     p.add_argument("--moe-top-k", type=int, help="MoE target: experts per token k")
     for name in ("gpu", "target-model", "draft-model", "vllm-version", "notes"):
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     cal = cal_mod.calibrate(
         rows, warmup=args.warmup, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, moe=moe, load_rows=load_rows,
         correct=args.correct_with_load_test, metadata=meta, where=",".join(map(str, args.bench_csv)),
+        prefix_caching=None if args.prefix_caching is None else args.prefix_caching == "on",
     )  # fmt: skip
     cal_mod.save(cal, args.output)
     print_report(cal, Console(width=max(Console().width, 130)))
