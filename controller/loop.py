@@ -152,6 +152,7 @@ class Controller:
         self.gate = gate  # fleet mode: a restart slot before each restart (coordination/gate.py)
         if gate is not None:
             gate.register(self.registry)
+        self._prefix_caching_seen: bool | None = None  # the server's, last time it said
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -170,6 +171,8 @@ class Controller:
         status = self.hook.status()
         state, events = policy.reconcile(state, status, s, now)
         obs = self.source.observe(now)
+        if isinstance(obs, Observation):
+            self._check_prefix_caching(obs.prefix_caching)
         s = priced_for_fleet(s, obs)  # fleet mode: a restart is a dip of one of the replicas serving now
         override = self.override()
         failure = policy.usable(obs, s)
@@ -229,6 +232,22 @@ class Controller:
             if ev.kind in NOTIFY_EVENTS:
                 self.notify(ev.kind.value, {"detail": str(ev), "reason": decision.reason.value, "time": now})
         return TickResult(now, obs, assessment, decision, state, events, acted, status, failure, learned)
+
+    def _check_prefix_caching(self, said: bool | None) -> None:
+        """Warn (once per setting the server reports) when the server's prefix caching is not what
+        the calibration prices: a preemption's recompute at a full KV cache is 1 + r² of the
+        prompts with it and 1 + r without (model._kv_thrash_rps), so the limit moves."""
+        if said is None or said == self._prefix_caching_seen:
+            return
+        self._prefix_caching_seen = said
+        if said != self.model.prefix_caching:
+            log.warning(
+                "prefix_caching_differs",
+                server=said,
+                calibration=self.model.prefix_caching,
+                detail="the KV-full limit is priced for the other setting: re-bench, or calibrate --prefix-caching"
+                f" {'on' if said else 'off'}",
+            )
 
     def _fleet_plan(
         self, decision: Decision, state: ControllerState, obs: Observation, a: Assessment, now: float

@@ -67,6 +67,9 @@ class Observation:
     # Prompt tokens per completed request served from vLLM's prefix cache over the rate window
     # (vllm:prompt_tokens_cached_total; 0 where the counter is not exported, None: unreadable).
     cached_prompt_tokens: float | None = None
+    # vLLM's enable_prefix_caching on vllm:cache_config_info (None: not exported): whether a
+    # preempted request finds its blocks cached; the calibration records what it was benched with.
+    prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         for name in (

@@ -308,3 +308,20 @@ def test_enabling_is_judged_with_the_posterior_width_while_sd_is_off():
     off = run_ticks(ctl, clock, vllm, rate=4, n=3)
     sds = [r.assessment.speedup_log_sd for r in off[1:]]
     assert all(sd is not None and 0.01 < sd < 1.0 for sd in sds)
+
+
+def test_a_server_whose_prefix_caching_is_not_what_the_calibration_prices_is_warned_once():
+    # The calibration (recorded nothing: priced as without it) against a vLLM that reports
+    # enable_prefix_caching: one warning per setting the server reports, none when they agree.
+    ctl, clock, vllm, _, _ = make()
+    assert ctl.model.prefix_caching is False
+    vllm.cache_config, vllm.prefix_caching = (8192, 16), True
+    with structlog.testing.capture_logs() as logs:
+        run_ticks(ctl, clock, vllm, 2.0, 3)
+        vllm.prefix_caching = False  # relaunched without it: what the calibration prices
+        run_ticks(ctl, clock, vllm, 2.0, 2)
+        vllm.prefix_caching = True
+        run_ticks(ctl, clock, vllm, 2.0, 2)
+    warned = [e for e in logs if e["event"] == "prefix_caching_differs"]
+    assert [(e["server"], e["calibration"]) for e in warned] == [(True, False), (True, False)]
+    assert "calibrate --prefix-caching on" in warned[0]["detail"]

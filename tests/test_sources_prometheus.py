@@ -110,10 +110,16 @@ class KvServer:
     per engine a constant running batch and KV usage, and ``vllm:cache_config_info`` with no
     model_name label, as vLLM 0.32 writes it."""
 
-    def __init__(self, engines: dict[str, tuple[float, object, tuple[int, int] | None]], cached: bool = False):
+    def __init__(
+        self,
+        engines: dict[str, tuple[float, object, tuple[int, int] | None]],
+        cached: bool = False,
+        caching: dict[str, bool] | None = None,  # enable_prefix_caching per engine (none: no label)
+    ):
         from tests.support.stub_http import StubHttp
 
         self.engines, self.cached, self.t0 = engines, cached, time.monotonic()
+        self.caching = caching or {}
         self.stub = StubHttp(self.respond)
 
     def respond(self, method, path, body):
@@ -135,7 +141,7 @@ class KvServer:
             ),
             "# TYPE vllm:cache_config_info gauge",
             *(
-                f'vllm:cache_config_info{{block_size="{c[1]}",engine="{e}",num_gpu_blocks="{c[0]}"}} 1.0'
+                f'vllm:cache_config_info{{block_size="{c[1]}",{self._caching(e)}engine="{e}",num_gpu_blocks="{c[0]}"}} 1.0'
                 for e, (_, _, c) in self.engines.items()
                 if c is not None
             ),
@@ -146,6 +152,9 @@ class KvServer:
                 f'vllm:prompt_tokens_cached_total{{engine="0",model_name="tiny"}} {120 * done}',
             ]
         return 200, "text/plain; version=0.0.4", ("\n".join(lines) + "\n").encode()
+
+    def _caching(self, engine: str) -> str:
+        return f'enable_prefix_caching="{self.caching[engine]}",' if engine in self.caching else ""
 
     @property
     def target(self):
@@ -162,9 +171,9 @@ class KvServer:
 def test_running_context_per_engine_with_prefix_cache_hits(prometheus_server):
     half_block = 0.5 * (128 - 1)
     servers = {
-        "one": KvServer({"0": (8, 0.2, (8192, 128))}, cached=True),
+        "one": KvServer({"0": (8, 0.2, (8192, 128))}, cached=True, caching={"0": True}),
         # data parallel, unequal caches: Σ usage × capacity / Σ running, not a mean of usages
-        "two": KvServer({"0": (10, 0.5, (8192, 128)), "1": (2, 0.25, (4096, 128))}),
+        "two": KvServer({"0": (10, 0.5, (8192, 128)), "1": (2, 0.25, (4096, 128))}, caching={"0": True, "1": False}),
         "garbage": KvServer({"0": (8, 1.7, (8192, 128))}),
         "noconfig": KvServer({"0": (8, 0.2, None)}),
         "missing_engine": KvServer({"0": (8, 0.2, (8192, 128)), "1": (8, 0.2, None)}),
@@ -181,8 +190,10 @@ def test_running_context_per_engine_with_prefix_cache_hits(prometheus_server):
             o = src.observe(time.time())
             assert isinstance(o, Observation), (job, o)
             assert 4 <= o.arrival_rate_rps <= 12, (job, o)
+            caching[job] = o.prefix_caching
             return o.running_context_tokens, o.cached_prompt_tokens
 
+        caching: dict[str, bool | None] = {}
         # 120 cached prompt tokens per completed request: added back to the context, and
         # left out of the prefill the model prices.
         assert observe("one") == pytest.approx((0.2 * 1_048_576 / 8 - half_block + 120, 120), rel=1e-6)
@@ -190,3 +201,5 @@ def test_running_context_per_engine_with_prefix_cache_hits(prometheus_server):
         assert observe("garbage")[0] is None
         assert observe("noconfig") == (None, 0.0)
         assert observe("missing_engine")[0] is None
+        # enable_prefix_caching from the same series: on only where every engine says on.
+        assert caching == {"one": True, "two": False, "garbage": None, "noconfig": None, "missing_engine": None}

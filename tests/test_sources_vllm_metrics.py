@@ -361,6 +361,17 @@ def test_the_captured_server_exports_its_cache_capacity():
     snap = parse_snapshot(Path(f"{FIXTURES}/metrics-sd-off.txt").read_text(), 0.0, model_name="tiny")
     assert snap.kv_capacity["0"].tokens == 8192 * 128 and snap.kv_capacity["0"].block_size == 128
     assert snap.kv_usage == {"0": 0.0} and snap.prompt_cached == 0.0
+    assert snap.prefix_caching == [True]  # vLLM 0.32's default
+
+
+def test_prefix_caching_is_observed_from_the_cache_config_labels():
+    text = Path(f"{FIXTURES}/metrics-sd-off.txt").read_text()
+    assert context_after(text, text).prefix_caching is True
+    # A server started without it says so; no label at all is unknown.
+    off = text.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
+    assert context_after(off, off).prefix_caching is False
+    plain = kv_exposition(100, {"0": 4}, {"0": 0.3}, CACHE)
+    assert context_after(plain, plain).prefix_caching is None
 
 
 def test_running_context_one_engine_is_the_ratio_of_the_window_means():

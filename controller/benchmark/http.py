@@ -29,6 +29,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.benchmark.probe import GaugeSample, ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
+from controller.sources.kv_context import prefix_caching as caching_label
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -156,8 +157,7 @@ class HttpServer:
                     kv_tokens = int(s.labels["num_gpu_blocks"]) * block_size
                 except (KeyError, ValueError):
                     kv_tokens = block_size = None
-                # vLLM writes its config's Python values as labels: "True" / "False".
-                prefix_caching = {"true": True, "false": False}.get(s.labels.get("enable_prefix_caching", "").lower())
+                prefix_caching = caching_label(s.labels)
                 break
         return ServerInfo(
             self.draft_length,

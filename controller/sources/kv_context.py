@@ -42,6 +42,18 @@ def cache_capacity(labels: Mapping[str, str]) -> CacheCapacity | None:
     return CacheCapacity(float(blocks * block_size), block_size)
 
 
+def prefix_caching(labels: Mapping[str, str]) -> bool | None:
+    """``enable_prefix_caching`` (vLLM writes its config's Python values: ``"True"``/``"False"``);
+    None when absent or anything else."""
+    return {"true": True, "false": False}.get(labels.get("enable_prefix_caching", "").lower())
+
+
+def all_prefix_caching(said: list[bool | None]) -> bool | None:
+    """Several engines' labels as one: on only when every engine that says is on; None when none says."""
+    known = [x for x in said if x is not None]
+    return all(known) if known else None
+
+
 @dataclass(frozen=True)
 class HeldTokens:
     """KV tokens in use, summed over engines, with the cache they are a part of."""

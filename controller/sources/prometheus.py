@@ -29,7 +29,14 @@ from controller import deadline
 from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 from controller.sources.base import TRANSIENT_HTTP_ERRORS
-from controller.sources.kv_context import CacheCapacity, cache_capacity, context_tokens, held_tokens
+from controller.sources.kv_context import (
+    CacheCapacity,
+    all_prefix_caching,
+    cache_capacity,
+    context_tokens,
+    held_tokens,
+    prefix_caching,
+)
 
 DEFAULT_QUERIES: dict[str, str] = {
     # Completions plus queue growth: during overload completions alone cap at capacity.
@@ -260,19 +267,29 @@ class PrometheusSource:
         except QueryFailed:
             return None
 
-    def _running_context(self, now: float, cached: float | None) -> float | None:
+    def _cache_config(self, now: float) -> list | None:
+        """vllm:cache_config_info's series (labels, value) of the selected engines; None when
+        the query fails: what needs them is then unknown, never a failed observation."""
+        try:
+            return self.query(self.queries["cache_config"], now)
+        except QueryFailed:
+            return None
+
+    def _running_context(self, now: float, cached: float | None, config: list | None) -> float | None:
         """Σ usage × capacity / Σ running over the rate window, engines matched by their
         (job, instance, engine) labels; None when anything is missing, unreadable or garbage."""
+        if config is None:
+            return None
         try:
             usage = {_engine(labels): v for labels, v in self.query(self.queries["kv_cache_usage"], now)}
             running_rows = self.query(self.queries["running_mean"], now)
-            capacity: dict[tuple[str, str, str], CacheCapacity] = {}
-            for labels, _ in self.query(self.queries["cache_config"], now):
-                cap = cache_capacity(labels)
-                if cap is not None:
-                    capacity[_engine(labels)] = cap
         except QueryFailed:
             return None
+        capacity: dict[tuple[str, str, str], CacheCapacity] = {}
+        for labels, _ in config:
+            cap = cache_capacity(labels)
+            if cap is not None:
+                capacity[_engine(labels)] = cap
         if set(usage) != {_engine(labels) for labels, _ in running_rows}:
             return None  # an engine runs sequences whose KV usage is not exported
         running = sum(v for _, v in running_rows)
@@ -304,6 +321,7 @@ class PrometheusSource:
             mean_prompt = self._scalar("mean_prompt_tokens", now, required=False)
             mean_gen = self._scalar("mean_gen_tokens", now, required=False)
             cached = self._cached_prompt_tokens(now)
+            config = self._cache_config(now)
             return Observation(
                 time_s=now,
                 arrival_rate_rps=arrival,
@@ -321,8 +339,9 @@ class PrometheusSource:
                 mean_e2e_latency_s=self._scalar("mean_e2e_latency", now, required=False),
                 sd_series_present=sd_present,
                 sample_age_s=max(age, 0.0) if age is not None else None,
-                running_context_tokens=self._running_context(now, cached),
+                running_context_tokens=self._running_context(now, cached, config),
                 cached_prompt_tokens=cached,
+                prefix_caching=None if config is None else all_prefix_caching([prefix_caching(lb) for lb, _ in config]),
             )
         except QueryFailed as exc:
             return ObservationFailure(exc.reason, exc.detail)

@@ -39,9 +39,11 @@ from controller.sources.kv_context import (
     PROMPT_CACHED,
     USAGE,
     CacheCapacity,
+    all_prefix_caching,
     cache_capacity,
     context_tokens,
     held_tokens,
+    prefix_caching,
 )
 
 SUCCESS = "vllm:request_success"
@@ -71,6 +73,8 @@ class Snapshot:
     kv_usage: dict[str, float] = field(default_factory=dict)
     kv_capacity: dict[str, CacheCapacity] = field(default_factory=dict)
     prompt_cached: float | None = None  # vllm:prompt_tokens_cached_total, summed over engines
+    # enable_prefix_caching on each engine's cache_config_info (kv_context.prefix_caching)
+    prefix_caching: list[bool | None] = field(default_factory=list)
 
 
 _WANTED = (
@@ -154,6 +158,7 @@ def _read_kv(snap: Snapshot, family: str, samples: list, model_name: str | None)
             capacity = cache_capacity(s.labels)
             if capacity is not None:
                 snap.kv_capacity[engine] = capacity
+            snap.prefix_caching.append(prefix_caching(s.labels))
         elif family == PROMPT_CACHED + "_created" or s.name == PROMPT_CACHED + "_created":
             snap.created[PROMPT_CACHED] = min(snap.created.get(PROMPT_CACHED, math.inf), float(s.value))
         elif s.name == PROMPT_CACHED + "_total":
@@ -487,6 +492,7 @@ class VllmMetricsSource:
                 sample_age_s=0.0,
                 running_context_tokens=self._running_context(now),
                 cached_prompt_tokens=self._cached_prompt_tokens(self._window(now, self.rate_window_s)),
+                prefix_caching=all_prefix_caching(cur.prefix_caching),
             )
         except ValueError as exc:  # NaN or inf in the payload
             return ObservationFailure(FailureReason.NAN, str(exc))
