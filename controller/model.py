@@ -736,6 +736,7 @@ def _kv_thrash_rps(
     gen_tokens: float,
     chunked_s: float = 0.0,
     prefix_caching: bool = False,
+    stuck_s: float = 0.0,
 ) -> float:
     """The rate a batch that fills the KV cache finishes at: prompts are recomputed.
 
@@ -757,7 +758,9 @@ def _kv_thrash_rps(
 
     The full batch's step is τ(B)·steps + B·Δ(B) per request (T at the bound), of which the
     prompts are B·Δ(B) (and ``chunked_s`` more each where the budget cuts them:
-    :func:`chunking_excess`); their share grows by r and the rate falls by as much.
+    :func:`chunking_excess`); their share grows by r and the rate falls by as much. ``stuck_s``
+    is what each request costs in chunks computed for nothing (:func:`stuck_chunks`), paid B
+    times per request as the prompts are.
     """
     p, g = max(prompt_tokens, 1e-9), max(gen_tokens, 1e-9)
     r = min(1.0, g / p * -math.expm1(-p / g))
@@ -766,7 +769,76 @@ def _kv_thrash_rps(
     s0, s1, d0, d1 = lines[bisect.bisect_left(ends, bound)]
     decode, prompts = steps * (s0 + s1 * bound), bound * (d0 + d1 * bound + chunked_s)
     full = math.exp(chain[-1] - chain[-2])  # the top state's rate
-    return full * (decode + prompts) / (decode + prompts * (1.0 + r)) if decode + prompts > 0 else full
+    paid = decode + prompts * (1.0 + r) + bound * stuck_s
+    return full * (decode + prompts) / paid if paid > 0 else full
+
+
+_GH_FINE = np.polynomial.hermite_e.hermegauss(24)  # nodes and weights for E[f(Z)], Z ~ N(0, 1)
+
+
+def stuck_chunks(prompt_tokens: float, prompt_sd: float | None, room: float, bound: float, steps: float) -> float:
+    """Chunks each request's prompt computes for nothing, on average, at a full KV cache without
+    prefix caching where the step budget leaves a waiting prompt ``room`` tokens a step.
+
+    vLLM v1 admits a waiting prompt when its first chunk's blocks are free, not its whole
+    prompt's. Where the cache is short of blocks, the room left after the admissions, L, is below
+    the next prompt's P_n (else it would have been admitted); as in :func:`_kv_thrash_rps`,
+    L ~ U[0, P_n). When L ≥ c the prompt is admitted and computes the j = ⌊L/c⌋ chunks that fit,
+    one a step; the next finds no block and the newest request (itself) is preempted with its
+    chunks discarded. Nothing is admitted in a step that preempted; in the next its blocks are
+    free again, so it loops, j + 1 steps and j chunks a round, until a completion frees enough.
+    With a completion at the end of a step with probability p = 1 − e^(−B/steps), a round wastes
+    its chunks unless one came at the end of a chunk step, and the loop ends once one came in any
+    of its steps: W_j = j·(1 − p)^j / (1 − (1 − p)^(j + 1)). Per completion
+
+        Σ_j Pr(⌊L/c⌋ = j)·W_j,   Pr(L ≥ j·c) = E[(P_n − j·c)⁺ / P_n]
+
+    over lognormal P_n with the measured mean and spread (one length without it).
+
+    The cache is short of blocks only as often as the budget could admit more than the
+    completions free: net of the batch's growth they free B·P/steps tokens a step (the G of a
+    finished request regrows in the others), the budget admits c. Where B·P/steps ≥ c the
+    budget, not the cache, paces admissions and blocks pile up: nothing is stranded. Between,
+    the admissions wait on blocks 1 − B·P/(steps·c) of the time, and the loop is counted so much.
+    """
+    p, c = float(prompt_tokens), float(room)
+    if not (p > 0 and c > 0 and bound > 0 and steps > 0):
+        return 0.0
+    starved = 1.0 - bound * p / (steps * c)
+    if starved <= 0.0:
+        return 0.0
+    if prompt_sd:
+        s = math.sqrt(math.log1p(min(prompt_sd / p, MAX_PROMPT_CV) ** 2))
+        z, w = _GH_FINE
+        x, w = np.exp(math.log(p) - 0.5 * s * s + s * z), w / math.sqrt(2.0 * math.pi)  # P_n at the nodes
+    else:
+        x, w = np.array([p]), np.array([1.0])
+    miss = math.exp(-bound / steps)  # no completion at a step's end
+    wasted, above = 0.0, float(w @ (np.maximum(x - c, 0.0) / x))  # Pr(L ≥ c)
+    for j in range(1, MAX_CHUNKS + 1):
+        if above <= 0.0:
+            break
+        nxt = float(w @ (np.maximum(x - (j + 1) * c, 0.0) / x))  # Pr(L ≥ (j + 1)·c)
+        wasted += (above - nxt) * j * miss**j / (1.0 - miss ** (j + 1))
+        above = nxt
+    return starved * wasted
+
+
+def _stuck_s(terms: _ModeTerms, workload: Workload, budget: float, bound: float, steps: float) -> float:
+    """Seconds of chunks a request's prompt computes for nothing at the full cache
+    (:func:`stuck_chunks`), each a chunk of the room the full batch leaves on a step."""
+    decode = terms.step_tokens * bound
+    room = budget - decode
+    if room < MIN_ROOM_TOKENS:
+        return 0.0
+    wasted = stuck_chunks(workload.computed_prompt_tokens, workload.prompt_tokens_std, room, bound, steps)
+    if wasted <= 0.0:
+        return 0.0
+    if terms.prefill is not None:
+        chunk = terms.prefill.scalar(room, room) - terms.prefill.intercept_s
+    else:
+        chunk = sum(c.scalar(decode + room, pairs=0.5 * room * room) - c.scalar(decode) for c in terms.priced)
+    return wasted * max(chunk, 0.0)
 
 
 def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float, chunked_s: np.ndarray | None = None) -> float:
@@ -862,6 +934,7 @@ def mode_curve(
             g,
             0.0 if chunks is None else float(chunks[0][-1]),
             model.prefix_caching,
+            0.0 if model.prefix_caching or not budget else _stuck_s(terms, workload, budget, bound, steps),
         )
         if thrash < limit:
             limit, fill, peak_b, reason = thrash, limit, bound, "kv_recompute"

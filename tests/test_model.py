@@ -24,6 +24,7 @@ from controller.model import (
     predict_points,
     speedup_point,
     stability_limits,
+    stuck_chunks,
 )
 from controller.queueing import MAX_STATES
 
@@ -349,6 +350,66 @@ def test_prefix_caching_recomputes_only_what_the_growth_evicted():
         (decode + prompts * (1.0 + r)) / (decode + prompts * (1.0 + r * r)), rel=1e-9
     )
     assert recompute.stability_limit_rps < cached.stability_limit_rps == cached.thrash_rps < cached.cache_fill_limit_rps
+
+
+def test_a_stranded_chunked_prompt_loops_until_a_completion():
+    # 4k-token prompts (lognormal, sd 1,650), 2,000 tokens of room a step, 45 running and 195
+    # steps a request. Sampled: the room left after the admissions L ~ U[0, P_n); the head
+    # prompt computes the ⌊L/c⌋ chunks that fit, then the next finds no block.
+    p, sd, room, bound, steps = 4000.0, 1650.0, 2000.0, 45.0, 195.0
+    rng = np.random.default_rng(5)
+    s = math.sqrt(math.log1p((sd / p) ** 2))
+    p_n = rng.lognormal(math.log(p) - 0.5 * s * s, s, 400_000)
+    fits = np.floor(rng.uniform(0.0, 1.0, p_n.size) * p_n / room)
+    assert (fits >= 2).any()
+    # Rounds of j chunk steps and a preempting one, until a completion at a step's end
+    # (probability 1 − e^(−B/steps)); a round's chunks are kept if it came after a chunk step.
+    first = rng.geometric(-math.expm1(-bound / steps), p_n.size) - 1  # the step it came after
+    rounds, at = np.divmod(first, fits + 1)
+    wasted = np.mean(np.where(fits > 0, fits * (rounds + (at == fits)), 0.0))
+    # Admissions wait on blocks as often as the budget's room outruns the prompt tokens the
+    # completions free net of the batch's growth (B·P/steps a step): here 54 % of the time.
+    starved = 1.0 - bound * p / (steps * room)
+    assert stuck_chunks(p, sd, room, bound, steps) == pytest.approx(starved * wasted, rel=0.02)
+    # One length strands too (the room left wanders over [0, P)); prompts shorter than the
+    # room never are; nor is any where the budget, not the cache, paces the admissions.
+    one = np.floor(rng.uniform(0.0, p, p_n.size) / room)
+    rounds, at = np.divmod(first, one + 1)
+    wasted_one = np.mean(np.where(one > 0, one * (rounds + (at == one)), 0.0))
+    assert stuck_chunks(p, None, room, bound, steps) == pytest.approx(starved * wasted_one, rel=0.02)
+    assert stuck_chunks(1900.0, None, room, bound, steps) == 0.0
+    assert stuck_chunks(p, sd, room, 100.0, steps) == 0.0  # 100·4000/195 tokens freed a step > 2000
+    assert 0.0 < stuck_chunks(p, sd, room, 90.0, steps) < stuck_chunks(p, sd, room, bound, steps)
+
+
+def test_a_full_cache_without_prefix_caching_pays_for_stranded_chunks():
+    # A 2,048-token budget cuts 4k prompts at a full cache. Without prefix caching each stranded
+    # prompt recomputes its first chunk every other step until a completion; with it the chunk
+    # stays cached and costs nothing again. No knees: the chunks cost what one pass does.
+    p, sd, g = 4000.0, 1650.0, 196.0
+    w = Workload(p, g, g, sd)
+    target = StepCost(0.010, 2e-5, context_s_per_token=2e-8)
+    m = LatencyModel(target=target, max_num_seqs=256, kv_cache_tokens_off=190_000, max_num_batched_tokens=2048)
+    recompute, _ = curves(m, 0.7, 0, w)
+    cached, _ = curves(replace(m, prefix_caching=True), 0.7, 0, w)
+    b = cached.batch_bound
+    decode, prompts = cached.steps * cached.step(b), b * cached.prompt(b)
+    r = g / p * (1.0 - math.exp(-p / g))
+    full = cached.thrash_rps * (decode + prompts * (1.0 + r * r)) / (decode + prompts)
+    room = 2048.0 - b
+    stuck_s = stuck_chunks(p, sd, room, b, cached.steps) * 2e-5 * room  # a chunk of the room
+    assert stuck_s > 0.0
+    assert recompute.thrash_rps == pytest.approx(
+        full * (decode + prompts) / (decode + prompts * (1.0 + r) + b * stuck_s), rel=1e-9
+    )
+    # A room as wide as the prompts: none is stranded, only the growth's recompute remains.
+    roomy = replace(m, max_num_batched_tokens=100_000)
+    plain, plain_cached = curves(roomy, 0.7, 0, w)[0], curves(replace(roomy, prefix_caching=True), 0.7, 0, w)[0]
+    b2 = plain.batch_bound
+    d2, p2 = plain.steps * plain.step(b2), b2 * plain.prompt(b2)
+    assert plain_cached.thrash_rps / plain.thrash_rps == pytest.approx(
+        (d2 + p2 * (1.0 + r)) / (d2 + p2 * (1.0 + r * r)), rel=1e-9
+    )
 
 
 def test_prediction_interval_is_the_scaled_costs():
