@@ -813,15 +813,15 @@ def stuck_chunks(prompt_tokens: float, prompt_sd: float | None, room: float, bou
         x, w = np.exp(math.log(p) - 0.5 * s * s + s * z), w / math.sqrt(2.0 * math.pi)  # P_n at the nodes
     else:
         x, w = np.array([p]), np.array([1.0])
-    miss = math.exp(-bound / steps)  # no completion at a step's end
-    wasted, above = 0.0, float(w @ (np.maximum(x - c, 0.0) / x))  # Pr(L ≥ c)
-    for j in range(1, MAX_CHUNKS + 1):
-        if above <= 0.0:
-            break
-        nxt = float(w @ (np.maximum(x - (j + 1) * c, 0.0) / x))  # Pr(L ≥ (j + 1)·c)
-        wasted += (above - nxt) * j * miss**j / (1.0 - miss ** (j + 1))
-        above = nxt
-    return starved * wasted
+    top = min(math.ceil(float(x.max()) / c), MAX_CHUNKS)  # no room left holds more chunks
+    if top < 1:
+        return 0.0
+    j = np.arange(1.0, top + 2.0)
+    above = (np.maximum(x - j[:, None] * c, 0.0) / x) @ w  # Pr(L ≥ j·c), j = 1..top + 1
+    j = j[:-1]
+    miss = np.exp(-bound / steps * j)  # (1 − p)^j: no completion at the end of j steps
+    rounds = miss / (1.0 - miss * math.exp(-bound / steps))  # W_j / j
+    return starved * float(np.sum((above[:-1] - above[1:]) * j * rounds))
 
 
 def _stuck_s(terms: _ModeTerms, workload: Workload, budget: float, bound: float, steps: float) -> float:
