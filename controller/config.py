@@ -296,6 +296,10 @@ class LearningSettings(BaseModel):
     online_correction: bool = Field(
         True, description="Correct the calibration's step costs online from the server's observed latency."
     )
+    follow_prefix_caching: bool = Field(
+        True,
+        description="Price a full KV cache's preemptions by the server's own enable_prefix_caching (vllm:cache_config_info) when it reports one, over what the calibration recorded; off: keep the calibration's and only warn.",
+    )
     evidence_file: Path | None = Field(
         None,
         description="Bounded per-tick history of load, observed and predicted latency (JSON lines); default: sd-controller-evidence.jsonl next to state_file.",

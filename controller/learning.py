@@ -152,6 +152,11 @@ class Learner:
         co = settings.correction_file or here / "sd-controller-correction.json"
         return cls(settings, base_model, FileEvidenceStore(ev, settings.evidence_max_records), FilePosteriorStore(co))
 
+    def reprice(self, base_model: LatencyModel) -> None:
+        """Price from ``base_model`` from now on: the calibration's, with what the server says
+        of itself (its prefix caching). The posterior stays: it corrects the same step costs."""
+        self.base, self._model_key, self._model = base_model, None, base_model
+
     @property
     def model(self) -> LatencyModel:
         """The model the assessment uses: corrected when online correction is on."""

@@ -153,6 +153,7 @@ class Controller:
         if gate is not None:
             gate.register(self.registry)
         self._prefix_caching_seen: bool | None = None  # the server's, last time it said
+        self._calibrated_prefix_caching = model.prefix_caching  # what the calibration recorded
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -234,20 +235,41 @@ class Controller:
         return TickResult(now, obs, assessment, decision, state, events, acted, status, failure, learned)
 
     def _check_prefix_caching(self, said: bool | None) -> None:
-        """Warn (once per setting the server reports) when the server's prefix caching is not what
-        the calibration prices: a preemption's recompute at a full KV cache is 1 + r² of the
-        prompts with it and 1 + r without (model._kv_thrash_rps), so the limit moves."""
+        """Price a full KV cache by the server's own prefix caching, once per setting it reports.
+
+        A preemption there recomputes 1 + r² of the prompts with it and 1 + r without, and
+        prompts stranded between their chunks waste them only without it (model._kv_thrash_rps),
+        so the limit moves with the setting; the step costs do not. With
+        ``follow_prefix_caching`` the loop's model, the learner's and the fleet plan's follow
+        the server (logged ``prefix_caching_repriced``); without it they keep the calibration's
+        and the loop warns (``prefix_caching_differs``). A server that stops saying keeps the
+        last setting it said.
+        """
         if said is None or said == self._prefix_caching_seen:
             return
         self._prefix_caching_seen = said
-        if said != self.model.prefix_caching:
-            log.warning(
-                "prefix_caching_differs",
-                server=said,
-                calibration=self.model.prefix_caching,
-                detail="the KV-full limit is priced for the other setting: re-bench, or calibrate --prefix-caching"
-                f" {'on' if said else 'off'}",
-            )
+        calibrated = self._calibrated_prefix_caching
+        if not self.settings.follow_prefix_caching:
+            if said != calibrated:
+                log.warning(
+                    "prefix_caching_differs",
+                    server=said,
+                    calibration=calibrated,
+                    detail="the KV-full limit is priced for the other setting: re-bench, or calibrate --prefix-caching"
+                    f" {'on' if said else 'off'}",
+                )
+            return
+        if said == self.model.prefix_caching:
+            return
+        self.model = dataclasses.replace(self.model, prefix_caching=said)
+        self.learner.reprice(dataclasses.replace(self.learner.base, prefix_caching=said))
+        log.warning(
+            "prefix_caching_repriced",
+            server=said,
+            calibration=calibrated,
+            detail="the KV-full limit is priced as the server runs"
+            + ("" if said == calibrated else f"; to record it: calibrate --prefix-caching {'on' if said else 'off'}"),
+        )
 
     def _fleet_plan(
         self, decision: Decision, state: ControllerState, obs: Observation, a: Assessment, now: float

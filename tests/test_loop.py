@@ -1,5 +1,6 @@
 """The whole loop on virtual time: real source parsing, fake launcher, real exporter and state file."""
 
+import dataclasses
 import json
 
 import pytest
@@ -310,10 +311,36 @@ def test_enabling_is_judged_with_the_posterior_width_while_sd_is_off():
     assert all(sd is not None and 0.01 < sd < 1.0 for sd in sds)
 
 
-def test_a_server_whose_prefix_caching_is_not_what_the_calibration_prices_is_warned_once():
-    # The calibration (recorded nothing: priced as without it) against a vLLM that reports
-    # enable_prefix_caching: one warning per setting the server reports, none when they agree.
+def test_the_kv_full_limit_is_priced_by_the_servers_own_prefix_caching():
+    # The calibration recorded nothing (priced as without it); the vLLM reports
+    # enable_prefix_caching. The loop's, the learner's and the fleet plan's model follow what
+    # the server says, once per setting; a server that stops saying keeps the last setting.
     ctl, clock, vllm, _, _ = make()
+    assert ctl.model.prefix_caching is False
+    fingerprint = ctl.learner.fingerprint
+    vllm.cache_config, vllm.prefix_caching = (8192, 16), True
+    with structlog.testing.capture_logs() as logs:
+        run_ticks(ctl, clock, vllm, 2.0, 3)
+        assert ctl.model.prefix_caching is ctl.learner.base.prefix_caching is ctl.learner.model.prefix_caching is True
+        assert ctl.model == dataclasses.replace(MODEL, prefix_caching=True)  # nothing else moves
+        vllm.prefix_caching = None  # the label gone: the last setting stands
+        run_ticks(ctl, clock, vllm, 2.0, 2)
+        assert ctl.learner.model.prefix_caching is True
+        vllm.prefix_caching = False  # relaunched without it: what the calibration prices
+        run_ticks(ctl, clock, vllm, 2.0, 2)
+        assert ctl.model.prefix_caching is ctl.learner.model.prefix_caching is False
+    repriced = [e for e in logs if e["event"] == "prefix_caching_repriced"]
+    assert [(e["server"], e["calibration"]) for e in repriced] == [(True, False), (False, False)]
+    assert "calibrate --prefix-caching on" in repriced[0]["detail"]
+    assert "calibrate" not in repriced[1]["detail"]
+    assert not [e for e in logs if e["event"] == "prefix_caching_differs"]
+    assert ctl.learner.fingerprint == fingerprint  # the same calibration: its evidence stays
+
+
+def test_a_server_whose_prefix_caching_is_not_what_the_calibration_prices_is_warned_once():
+    # follow_prefix_caching off: the calibration's price stays; one warning per setting the
+    # server reports, none when they agree.
+    ctl, clock, vllm, _, _ = make(follow_prefix_caching=False)
     assert ctl.model.prefix_caching is False
     vllm.cache_config, vllm.prefix_caching = (8192, 16), True
     with structlog.testing.capture_logs() as logs:
@@ -325,3 +352,4 @@ def test_a_server_whose_prefix_caching_is_not_what_the_calibration_prices_is_war
     warned = [e for e in logs if e["event"] == "prefix_caching_differs"]
     assert [(e["server"], e["calibration"]) for e in warned] == [(True, False), (True, False)]
     assert "calibrate --prefix-caching on" in warned[0]["detail"]
+    assert ctl.model.prefix_caching is ctl.learner.model.prefix_caching is False
