@@ -817,7 +817,7 @@ def stuck_chunks(prompt_tokens: float, prompt_sd: float | None, room: float, bou
     if top < 1:
         return 0.0
     j = np.arange(1.0, top + 2.0)
-    above = (np.maximum(x - j[:, None] * c, 0.0) / x) @ w  # Pr(L ≥ j·c), j = 1..top + 1
+    above = np.maximum(1.0 - j[:, None] * c / np.maximum(x, 1e-300), 0.0) @ w  # Pr(L ≥ j·c), j = 1..top + 1
     j = j[:-1]
     miss = np.exp(-bound / steps * j)  # (1 − p)^j: no completion at the end of j steps
     rounds = miss / (1.0 - miss * math.exp(-bound / steps))  # W_j / j
@@ -916,7 +916,7 @@ def mode_curve(
     budget = model.max_num_batched_tokens
     chunks = chunking_excess(terms, nodes, workload.prompt_tokens_std, budget, bound) if p > 0 and budget else None
     chain, gained = _chain_rates(
-        segments, waits, ends, bound, lines, sharing, stair, peak_b, q if p > 0 else None, chunks
+        segments, waits, ends, bound, lines, sharing, stair, peak_b, q if p > 0 else None, chunks, steps
     )
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
     # found rises with the best state's (the chain's tail is served at the limit), and moves
@@ -1188,6 +1188,7 @@ def _chain_rates(
     peak_batch: float = math.inf,
     prompt_q: float | None = None,
     chunking: tuple[np.ndarray, np.ndarray] | None = None,
+    steps: float | None = None,
 ) -> tuple[np.ndarray, float]:
     """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1);
     and how much prompts sharing a step and the staircase raise the best state's rate (1.0
@@ -1240,7 +1241,15 @@ def _chain_rates(
             x -= (b * cum_w[i] - cum_wat[i]) * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
             t = 0.5 * (x + np.sqrt(x * x + b4r))
         if prompt_q is not None:
-            t += bunched_wait_excess(b / t, tau, delta, prompt_q)
+            lam = b / t
+            excess = bunched_wait_excess(lam, tau, delta, prompt_q)
+            wait = 0.5 * tau + (t - x) + excess
+            t += excess
+            if steps is not None:
+                # The prompts that arrived in the step in flight before it share its prefill
+                # step; those that arrive in its last step are prefilled after it.
+                seen = (t - wait) / (steps + 1.0)
+                t += lam * delta * (wait - seen)
         if chunking is not None:
             t += n * chunking[0] + chunking[1] * tau
         gained = float((n / t).max() / plain)

@@ -730,6 +730,18 @@ def _shared_prompt_cost(mu: float, first: float, second: float) -> float:
     return total / mu
 
 
+def _with_arrivals_in_flight(t, x, tau, delta, b, q, n_steps):
+    """T with what the prompts around the step in flight add: the wait their bunching lengthens
+    (bunched_wait_excess), and, at λ = B/T, λ·Δ·(wait − the mean step of the request's life):
+    the prompts that arrived in the step in flight before it share its prefill step, those that
+    arrive in its last step are prefilled after it. ``x``: T without the wait λ·R (t − x is it)."""
+    lam = b / t
+    excess = bunched_wait_excess(lam, tau, delta, q)
+    wait = 0.5 * tau + (t - x) + excess
+    t = t + excess
+    return t + lam * delta * (wait - (t - wait) / (n_steps + 1.0))
+
+
 @pytest.mark.parametrize(
     ("delta_past_knee", "bound", "states"), [(-0.0008, 50, (1, 10, 40)), (0.0008, 200, (1, 5, 10))]
 )
@@ -756,8 +768,8 @@ def test_prompts_that_share_a_step_cost_what_a_poisson_count_of_them_averages(de
             for _ in range(50):  # S depends on the shared cost: its own fixed point
                 shared = _shared_prompt_cost(lam * tau / (1.0 - lam * shared), first, second)
             t = 0.5 * ((x - (b + 1) * (delta - shared)) + math.sqrt((x - (b + 1) * (delta - shared)) ** 2 + 4 * b * r))
-        # and the wait the prompts' bunching adds (one prompt length: q = 1), at the state's λ.
-        t += bunched_wait_excess(b / t, tau, delta, 1.0)
+        # and what the prompts around the step in flight add (one prompt length: q = 1), at the state's λ.
+        t = _with_arrivals_in_flight(t, x - (b + 1) * (delta - shared), tau, delta, b, 1.0, off.steps)
         assert (b + 1) / h[b] == pytest.approx(t, rel=1e-4)
         if abs(first - second) > 1e-9:  # past the knee both cost the same: no gap
             assert (t < plain) == (delta_past_knee < 0)
@@ -773,17 +785,17 @@ def test_prompts_that_share_a_step_cost_what_a_poisson_count_of_them_averages(de
 
 
 def test_prompts_share_nothing_where_every_token_costs_the_same():
-    # No knee: a second prompt costs what the first does; the chain is T(B) itself, plus the wait
-    # the prompts' bunching adds at each state's own rate.
+    # No knee: a second prompt costs what the first does; the chain is T(B) itself, plus what the
+    # prompts around the step in flight add at each state's own rate.
     m = LatencyModel(target=StepCost(0.010, 0.001), max_num_seqs=200)
     off, _ = curves(m, 0.5, 1, Workload(500, 100, 0.0, 300.0))
     h = np.exp(np.diff(off.cum_log_rates))
     n = np.arange(1.0, 201.0)
     t = np.array([off.latency_at_batch(b) for b in n - 1.0])
     b = n - 1.0
-    t += bunched_wait_excess(
-        b / t, np.array([off.step(x) for x in b]), np.array([off.prompt(x) for x in b]), off.prompt_q
-    )
+    tau, delta = np.array([off.step(x) for x in b]), np.array([off.prompt(x) for x in b])
+    x = steps() * tau + (b + 1) * delta  # T without the wait λ·R
+    t = _with_arrivals_in_flight(t, x, tau, delta, b, off.prompt_q, off.steps)
     want = n / t
     assert off.sharing_gain == pytest.approx(want.max() / (n / np.array([off.latency_at_batch(x) for x in b])).max())
     assert off.sharing_gain < 1.0
