@@ -1213,6 +1213,10 @@ def _chain_rates(
     ``chunking`` (per state: seconds each prompt met costs beyond one pass, and the steps a
     request's own prompt takes beyond one) prices prompts longer than the step's token budget
     leaves beside the batch: see :func:`chunking_excess`.
+
+    ``steps`` (a request's decode steps; with ``prompt_q``) counts the prompts around the step
+    in flight: those that arrived in it before the request share its prefill step, those that
+    arrive in its last step are prefilled after it, λ·Δ·(wait − (T − wait)/(steps + 1)).
     """
     top = min(math.floor(bound), MAX_STATES)
     n, b = _CHAIN_N[:top], _OTHERS[:top]
