@@ -1216,7 +1216,7 @@ def _chain_rates(
 
     ``steps`` (a request's decode steps; with ``prompt_q``) counts the prompts around the step
     in flight: those that arrived in it before the request share its prefill step, those that
-    arrive in its last step are prefilled after it, λ·Δ·(wait − (T − wait)/(steps + 1)).
+    arrive in its last step are prefilled after it, λ·Δ·(wait − min((T − wait)/(steps + 1), 2·wait)).
     """
     top = min(math.floor(bound), MAX_STATES)
     n, b = _CHAIN_N[:top], _OTHERS[:top]
@@ -1251,8 +1251,12 @@ def _chain_rates(
             t += excess
             if steps is not None:
                 # The prompts that arrived in the step in flight before it share its prefill
-                # step; those that arrive in its last step are prefilled after it.
-                seen = (t - wait) / (steps + 1.0)
+                # step; those that arrive in its last step are prefilled after it. A step of the
+                # request's life is no longer than twice the wait for the step in flight, as
+                # E[S²]/(2·E[S]) ≥ E[S]/2: with a step or two a request (few tokens, long prefill
+                # steps) (T − wait)/(steps + 1) is the whole of its prefill, not a step, and taken
+                # as one it halved T near capacity and doubled the limit.
+                seen = np.minimum((t - wait) / (steps + 1.0), 2.0 * wait)
                 t += lam * delta * (wait - seen)
         if chunking is not None:
             t += n * chunking[0] + chunking[1] * tau

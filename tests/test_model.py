@@ -584,6 +584,19 @@ def test_fixed_point_holds(model, workload, alpha, gamma, frac):
         assert b <= curve.batch_bound * (1 + 1e-12) <= model.max_num_seqs * (1 + 1e-12)
 
 
+def test_a_request_of_one_step_is_given_no_more_than_its_prompts_allow():
+    # Found by test_fixed_point_holds: a 22-token prompt, 1 token generated, prompts dear beside
+    # the decode step. The request's life is its prefill step, so (T − wait)/(steps + 1) was the
+    # whole prefill of the B + 1 prompts, not a step; counting its arrivals as prompts it never
+    # meets halved T near capacity, and the limits (19.0 and 6.27 req/s) passed 1/Δ, what the
+    # server's prompts alone allow a second whatever else its steps do.
+    cost = StepCost(0.03125, 0.00390625)
+    m = LatencyModel(StepCost(0.0078125, 1e-05), cost, verify=cost, prefill=cost, max_num_seqs=7)
+    workload = Workload(22.0, 1.0)
+    for curve, limit in zip(curves(m, 0.0, 1, workload), stability_limits(m, 0.0, 1, workload), strict=True):
+        assert 0.0 < limit < 1.0 / max(curve.prompt(b) for b in range(7))
+
+
 @settings(max_examples=200, deadline=None)
 @given(models(), workloads, st.floats(0.0, 1.0), st.floats(0.0, 3.0))
 def test_gamma_zero_speedup_is_one(model, workload, alpha, frac):
@@ -732,14 +745,14 @@ def _shared_prompt_cost(mu: float, first: float, second: float) -> float:
 
 def _with_arrivals_in_flight(t, x, tau, delta, b, q, n_steps):
     """T with what the prompts around the step in flight add: the wait their bunching lengthens
-    (bunched_wait_excess), and, at λ = B/T, λ·Δ·(wait − the mean step of the request's life):
-    the prompts that arrived in the step in flight before it share its prefill step, those that
-    arrive in its last step are prefilled after it. ``x``: T without the wait λ·R (t − x is it)."""
+    (bunched_wait_excess), and, at λ = B/T, λ·Δ·(wait − the mean step of the request's life, at
+    most twice the wait): the prompts that arrived in the step in flight before it share its
+    prefill step, those that arrive in its last step are prefilled after it. ``x``: T without the wait λ·R (t − x is it)."""
     lam = b / t
     excess = bunched_wait_excess(lam, tau, delta, q)
     wait = 0.5 * tau + (t - x) + excess
     t = t + excess
-    return t + lam * delta * (wait - (t - wait) / (n_steps + 1.0))
+    return t + lam * delta * (wait - np.minimum((t - wait) / (n_steps + 1.0), 2.0 * wait))
 
 
 @pytest.mark.parametrize(
