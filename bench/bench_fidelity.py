@@ -394,7 +394,10 @@ def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
             if m.capacity_error is not None:
                 capacities.append(abs(m.capacity_error))
         for be in rep.break_even:
-            print(f"  break-even γ={be.draft_length}: predicted {be.predicted_rps} measured {be.measured_rps}")
+            between = (
+                "" if be.measured_between_rps is None else " (between {:g} and {:g})".format(*be.measured_between_rps)
+            )
+            print(f"  break-even γ={be.draft_length}: predicted {be.predicted_rps} measured {be.measured_rps}{between}")
             if be.error is not None:
                 bes.append(abs(be.error))
         if rep.replicated:

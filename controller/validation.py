@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,6 +200,10 @@ class BreakEvenCheck:
     predicted_rps: float | None  # None: SD predicted never below 1
     measured_rps: float | None  # None: not crossed within the measured rates
     error: float | None
+    # The measured rates around the crossing (speedup ≥ 1 at the first, < 1 at the second): the
+    # measured rate is interpolated between them, and rates far apart leave it soft. None: not
+    # crossed, or crossed below the lowest rate measured.
+    measured_between_rps: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -352,29 +357,52 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
     )
 
 
+def _requests(row: LoadRow) -> tuple[float, float]:
+    """What identifies a run's requests: runs on one arrival seed send the same ones."""
+    return (row.mean_prompt_tokens, row.mean_gen_tokens)
+
+
 def _measured_speedup(off: PointCheck, on: PointCheck) -> float:
+    """The speedup the runs measured at one rate: over the runs of both modes that served the
+    same requests (one arrival seed) where there are any, since a seed's long requests move
+    both modes' latencies alike and a speedup of one mode's seeds over the other's can cross 1
+    on them alone (H100 reasoning at 4 req/s: 1.01 over unpaired seeds, 0.97 on the seed both
+    ran); else the points' means."""
     if on.measured_saturated and off.measured_saturated:
         return math.nan
     if on.measured_saturated:
         return 0.0
     if off.measured_saturated:
         return math.inf
+
+    def by_requests(point: PointCheck) -> dict[tuple[float, float], list[float]]:
+        runs: dict[tuple[float, float], list[float]] = defaultdict(list)
+        for c in point.runs:
+            if not c.row.saturated:
+                runs[_requests(c.row)].append(c.row.mean_e2e_s)
+        return runs
+
+    offs, ons = by_requests(off), by_requests(on)
+    paired = [(statistics.fmean(offs[k]), statistics.fmean(ons[k])) for k in offs.keys() & ons.keys()]
+    if paired:
+        return sum(o for o, _ in paired) / sum(n for _, n in paired)
     return off.measured_s / on.measured_s  # type: ignore[operator]
 
 
-def _measured_break_even(pairs: Sequence[tuple[float, float]]) -> float | None:
-    """First rate where the measured speedup falls below 1 (linear between measured rates)."""
+def _measured_break_even(pairs: Sequence[tuple[float, float]]) -> tuple[float | None, tuple[float, float] | None]:
+    """First rate where the measured speedup falls below 1 (linear between measured rates), and
+    the two rates it lies between."""
     pairs = [(r, s) for r, s in sorted(pairs) if not math.isnan(s)]
     if not pairs:
-        return None
+        return None, None
     if pairs[0][1] < 1.0:
-        return pairs[0][0]
+        return pairs[0][0], None
     for (r0, s0), (r1, s1) in itertools.pairwise(pairs):
         if s1 < 1.0 <= s0:
             if math.isinf(s0):
-                return r1
-            return r0 + (s0 - 1.0) / (s0 - s1) * (r1 - r0)
-    return None
+                return r1, (r0, r1)
+            return r0 + (s0 - 1.0) / (s0 - s1) * (r1 - r0), (r0, r1)
+    return None, None
 
 
 def _break_evens(model: LatencyModel, points: Sequence[PointCheck]) -> list[BreakEvenCheck]:
@@ -394,11 +422,11 @@ def _break_evens(model: LatencyModel, points: Sequence[PointCheck]) -> list[Brea
             continue
         ref = _mean_row([c for p in group for c in p.runs])
         be = break_even_rates(model, _alpha(ref), gamma, ref.workload(), thresholds=(1.0,))[1.0]
-        measured = _measured_break_even(pairs)
+        measured, between = _measured_break_even(pairs)
         error = None
         if be.rate_rps is not None and measured is not None and measured > 0:
             error = (be.rate_rps - measured) / measured
-        out.append(BreakEvenCheck(gamma, be.rate_rps, measured, error))
+        out.append(BreakEvenCheck(gamma, be.rate_rps, measured, error, between))
     return out
 
 

@@ -384,6 +384,7 @@ def test_measured_break_even_interpolates_the_first_crossing():
     assert be.draft_length == GAMMA
     # Speedup 1.1 at 2, 0.9 at 3: crosses 1 halfway. The later recovery above 1 is ignored.
     assert be.measured_rps == pytest.approx(2.5, rel=1e-12)
+    assert be.measured_between_rps == (2.0, 3.0)
     assert be.predicted_rps == pytest.approx(predicted_break_even(), rel=1e-9)
     assert 2.7 < be.predicted_rps < 2.95  # pinned: the draft's first pass covers the γ+1 verified tokens
     assert be.error == pytest.approx((be.predicted_rps - 2.5) / 2.5, rel=1e-9)
@@ -395,9 +396,33 @@ def test_measured_break_even_ignores_row_order():
     assert be.measured_rps == pytest.approx(2.0 + 0.2 / 0.7, rel=1e-12)
 
 
+def test_the_speedup_at_a_rate_is_read_over_runs_that_served_the_same_requests():
+    # At 2 req/s SD ran on two arrival seeds, the server without SD on one (heavy: 1.2 s). On that
+    # seed SD took 1.25 s (speedup 0.96); its other seed, lighter, took 0.9 s. Over the modes'
+    # means the speedup is 1.2 / 1.075 = 1.12 and the crossing moves past 2 req/s on the seeds alone.
+    heavy, light = 60.0, 40.0
+    rows = speedup_rows({1.0: 1.25, 3.0: 0.5})
+    rows += [
+        replace(row(2.0, False, 1.2), mean_gen_tokens=heavy),
+        replace(row(2.0, True, 1.25), mean_gen_tokens=heavy),
+        replace(row(2.0, True, 0.9), mean_gen_tokens=light),
+    ]
+    (be,) = validate(MODEL, rows).break_even
+    s2 = 1.2 / 1.25
+    assert be.measured_rps == pytest.approx(1.0 + 0.25 / (1.25 - s2), rel=1e-12)
+    assert be.measured_between_rps == (1.0, 2.0)
+    # No run of one mode served the other's requests: the points' means, as before.
+    rows[-3] = replace(rows[-3], mean_gen_tokens=50.5)
+    (be,) = validate(MODEL, rows).break_even
+    s2 = 1.2 / 1.075
+    assert be.measured_rps == pytest.approx(2.0 + (s2 - 1.0) / (s2 - 0.5), rel=1e-12)
+    assert be.measured_between_rps == (2.0, 3.0)
+
+
 def test_speedup_below_one_at_the_lowest_rate_is_break_even_there():
     (be,) = validate(MODEL, speedup_rows({1.0: 0.8, 2.0: 0.7})).break_even
     assert be.measured_rps == 1.0
+    assert be.measured_between_rps is None  # below the lowest rate measured: no bracket
 
 
 def test_never_crossed_within_the_measured_rates():
@@ -513,6 +538,7 @@ def test_cli_json_report(monkeypatch, capsys, calibration_file, load_csv):
     # Measured latencies are the predictions scaled alike, so the measured speedup is the
     # predicted one at each rate: SD ahead at 2 req/s and behind at 3 on this calibration.
     assert 2.0 < be["measured_rps"] < 3.0
+    assert be["measured_between_rps"] == [2.0, 3.0]
 
 
 def test_cli_plot_writes_a_png(monkeypatch, capsys, tmp_path, calibration_file, load_csv):
@@ -530,6 +556,7 @@ def test_cli_table_output(monkeypatch, capsys, calibration_file, load_csv):
     assert "+5.0 %" in out
     assert "saturated (flagged)" in out
     assert "every saturated run flagged: yes" in out
+    assert "2–3" in out  # the measured rates the break-even lies between
 
 
 def test_cli_pools_the_runs_of_several_files(monkeypatch, capsys, tmp_path, calibration_file, load_csv):

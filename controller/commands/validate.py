@@ -110,6 +110,7 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
                 "draft_length": b.draft_length,
                 "predicted_rps": b.predicted_rps,
                 "measured_rps": b.measured_rps,
+                "measured_between_rps": None if b.measured_between_rps is None else list(b.measured_between_rps),
                 "error": b.error,
             }
             for b in report.break_even
@@ -183,13 +184,14 @@ def print_report(report: ValidationReport, console: Console, sources: Sequence[s
     console.print(m)
     if report.break_even:
         b = Table(title="break-even rate (speedup = 1)")
-        for col in ("γ", "predicted req/s", "measured req/s", "error"):
+        for col in ("γ", "predicted req/s", "measured req/s", "measured between", "error"):
             b.add_column(col, justify="right")
         for be in report.break_even:
             b.add_row(
                 str(be.draft_length),
                 "never" if be.predicted_rps is None else f"{be.predicted_rps:.2f}",
                 "not crossed" if be.measured_rps is None else f"{be.measured_rps:.2f}",
+                "-" if be.measured_between_rps is None else "{:g}–{:g}".format(*be.measured_between_rps),
                 _pct(be.error),
             )
         console.print(b)
