@@ -384,6 +384,9 @@ class LoadRow:
     served_rps: float | None = None
     # The load test's workload name (``bench --load-test --workload``); "" when not recorded.
     workload_name: str = ""
+    # The file the run was read from ("" when built otherwise): one load test's runs, every mode,
+    # are sent the same arrivals (its --seed), so validate pairs the modes' runs by it.
+    source: str = ""
 
     def workload(self) -> Workload:
         """The request shape the run measured, as the model takes it."""
@@ -564,6 +567,7 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 opt["cached_prompt_tokens"],
                 opt["served_rps"],
                 (r.get("workload") or "").strip(),
+                str(p),
             )
         )
     return rows, digest

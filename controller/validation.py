@@ -357,16 +357,17 @@ def _mean_row(group: Sequence[RowCheck]) -> LoadRow:
     )
 
 
-def _requests(row: LoadRow) -> tuple[float, float]:
-    """What identifies a run's requests: runs on one arrival seed send the same ones."""
-    return (row.mean_prompt_tokens, row.mean_gen_tokens)
+def _arrivals(row: LoadRow) -> tuple[str, float, float]:
+    """What identifies a run's arrivals: the load test it came from (every mode of one is sent
+    the same requests), or, for runs built otherwise, the requests' mean shape."""
+    return (row.source, 0.0, 0.0) if row.source else ("", row.mean_prompt_tokens, row.mean_gen_tokens)
 
 
 def _measured_speedup(off: PointCheck, on: PointCheck) -> float:
-    """The speedup the runs measured at one rate: over the runs of both modes that served the
-    same requests (one arrival seed) where there are any, since a seed's long requests move
-    both modes' latencies alike and a speedup of one mode's seeds over the other's can cross 1
-    on them alone (H100 reasoning at 4 req/s: 1.01 over unpaired seeds, 0.97 on the seed both
+    """The speedup the runs measured at one rate: over the runs of both modes that were sent the
+    same arrivals (one load test, one seed) where there are any, since a seed's long requests
+    move both modes' latencies alike and a speedup of one mode's seeds over the other's can cross
+    1 on them alone (H100 reasoning at 4 req/s: 1.01 over unpaired seeds, 0.97 on the seed both
     ran); else the points' means."""
     if on.measured_saturated and off.measured_saturated:
         return math.nan
@@ -375,14 +376,14 @@ def _measured_speedup(off: PointCheck, on: PointCheck) -> float:
     if off.measured_saturated:
         return math.inf
 
-    def by_requests(point: PointCheck) -> dict[tuple[float, float], list[float]]:
-        runs: dict[tuple[float, float], list[float]] = defaultdict(list)
+    def by_arrivals(point: PointCheck) -> dict[tuple[str, float, float], list[float]]:
+        runs: dict[tuple[str, float, float], list[float]] = defaultdict(list)
         for c in point.runs:
             if not c.row.saturated:
-                runs[_requests(c.row)].append(c.row.mean_e2e_s)
+                runs[_arrivals(c.row)].append(c.row.mean_e2e_s)
         return runs
 
-    offs, ons = by_requests(off), by_requests(on)
+    offs, ons = by_arrivals(off), by_arrivals(on)
     paired = [(statistics.fmean(offs[k]), statistics.fmean(ons[k])) for k in offs.keys() & ons.keys()]
     if paired:
         return sum(o for o, _ in paired) / sum(n for _, n in paired)

@@ -419,6 +419,25 @@ def test_the_speedup_at_a_rate_is_read_over_runs_that_served_the_same_requests()
     assert be.measured_between_rps == (2.0, 3.0)
 
 
+def test_runs_read_from_one_load_test_are_paired_whatever_their_means():
+    # Near a limit a run leaves requests unfinished, and the two modes' means over one seed's
+    # requests differ: the load test a run was read from says which runs share arrivals.
+    rows = [replace(r, source="seed0.csv") for r in speedup_rows({1.0: 1.25, 3.0: 0.5})]
+    rows += [
+        replace(row(2.0, False, 1.2), source="seed0.csv", mean_gen_tokens=60.0),
+        replace(row(2.0, True, 1.25), source="seed0.csv", mean_gen_tokens=59.0),
+        replace(row(2.0, True, 0.9), source="seed1.csv"),
+    ]
+    (be,) = validate(MODEL, rows).break_even
+    assert be.measured_rps == pytest.approx(1.0 + 0.25 / (1.25 - 1.2 / 1.25), rel=1e-12)
+
+
+def test_read_load_csv_names_each_run_s_file(tmp_path):
+    path = write_load_csv(tmp_path / "load.csv", [csv_row(1.0, False, 1.0), csv_row(1.0, True, 0.8)])
+    rows, _ = cal_mod.read_load_csv(path)
+    assert [r.source for r in rows] == [str(path)] * 2
+
+
 def test_speedup_below_one_at_the_lowest_rate_is_break_even_there():
     (be,) = validate(MODEL, speedup_rows({1.0: 0.8, 2.0: 0.7})).break_even
     assert be.measured_rps == 1.0
