@@ -52,8 +52,10 @@ from controller.queueing import (
 
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
-# The draft-length search stops this many candidates past the best one (see best_draft_length).
-DRAFT_SEARCH_PATIENCE = 2
+# The draft-length search stops this many candidates past the best one (see best_draft_length):
+# one past chose as trying all 16 in 1,944 of 1,944 cases (the example and the 17 stored truth
+# calibrations × acceptances × workloads × loads), and saves a curve build a fresh decision.
+DRAFT_SEARCH_PATIENCE = 1
 # Generated lengths vary; when no source measured their spread, assume what a per-token stop
 # probability gives (geometric lengths: standard deviation ≈ mean).
 DEFAULT_GEN_CV = 1.0
