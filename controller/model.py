@@ -658,8 +658,11 @@ class ModeCurve:
             b = _fixed_point_on(rate_rps, c0, c1, c2)
             if b <= hi * (1.0 + 1e-12) + 1e-12 and b >= lo * (1.0 - 1e-12) - 1e-12:
                 return b, c0 + c1 * b + c2 * b * b
+        # No root below the bound: the batch is full. Past what T(bound) allows, below the limit
+        # (prompts sharing a step, or the prompts around the step in flight, serve the full batch
+        # faster than T(bound)), the full batch completes the λ it is sent: T = bound/λ.
         b = self.batch_bound
-        return b, _latency_at(segments, self.waits, self.ends, b)
+        return b, min(_latency_at(segments, self.waits, self.ends, b), b / rate_rps)
 
     def fluid_latency_s(self, rate_rps: float) -> float:
         if rate_rps >= self.stability_limit_rps * (1.0 - 1e-12):

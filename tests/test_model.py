@@ -584,6 +584,20 @@ def test_fixed_point_holds(model, workload, alpha, gamma, frac):
         assert b <= curve.batch_bound * (1 + 1e-12) <= model.max_num_seqs * (1 + 1e-12)
 
 
+def test_a_full_batch_served_past_what_its_fluid_step_allows_keeps_littles_law():
+    # Found by test_fixed_point_holds: two sequences at most, 3-token prompts, 1 token each. The
+    # prompts around the step in flight serve the full batch faster than T(bound), so the limit
+    # passes bound/T(bound); between the two the fluid batch is full and completes what it is sent.
+    c = StepCost(0.03125, 0.00390625)
+    m = LatencyModel(target=c, draft=c, max_num_seqs=2)
+    workload = Workload(3.0, 1.0)
+    off, _ = curves(m, 0.0, 1, workload)
+    rate = 0.96875 * off.stability_limit_rps
+    assert rate > off.batch_bound / off.latency_at_batch(off.batch_bound)  # past the fluid's own
+    assert off.batch(rate) == off.batch_bound
+    assert off.batch(rate) == pytest.approx(rate * off.fluid_latency_s(rate), rel=1e-12)
+
+
 def test_a_request_of_one_step_is_given_no_more_than_its_prompts_allow():
     # Found by test_fixed_point_holds: a 22-token prompt, 1 token generated, prompts dear beside
     # the decode step. The request's life is its prefill step, so (T − wait)/(steps + 1) was the
