@@ -3,8 +3,9 @@
 Targets (issue: math core): <= 20 µs per single speedup evaluation, <= 1 ms per full decision
 (best draft length over 1..16 plus the three break-even rates). Prints figures; asserts nothing.
 The draft-length search stops ``DRAFT_SEARCH_PATIENCE`` candidates past the best
-(``best_draft_length``'s ``patience``); the exhaustive search over all 16 is timed next to it, with how often the two
-choose differently over a grid of loads, acceptances and workloads and what that costs.
+(``best_draft_length``'s ``patience``); the exhaustive search over all 16 is timed next to it,
+with how often the two choose differently over a grid of loads, acceptances and workloads and
+what that costs.
 
 The rate curves of a (model, workload, acceptance, γ) are built once and cached: "repeated" is a
 further evaluation at another rate (what a tick does after its first), "fresh" pays the build
