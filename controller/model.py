@@ -177,6 +177,16 @@ def _moe_in_tokens(cost: StepCost, moe: Moe, max_tokens: float) -> StepCost:
     )
 
 
+def _hash_once(obj) -> int:
+    """A frozen dataclass's field hash, kept on it: a model and a workload key the curve
+    caches, looked up on every evaluation, and their fields need hashing only once."""
+    h = obj.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(obj, f.name) for f in fields(obj)))
+        object.__setattr__(obj, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     """Calibrated pass costs plus the serving limits the fixed point needs.
@@ -218,13 +228,8 @@ class LatencyModel:
     # passes per benchmarked step size, B·(γ + 1), every draft length's together; () = none.
     verify_staircase_on: tuple[tuple[float, float], ...] = ()
 
-    def __hash__(self) -> int:
-        # Curves are cached per model: hash the fields once, not on every lookup.
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
+    def __hash__(self) -> int:  # curves are cached per model
+        return _hash_once(self)
 
 
 _GH3 = ((1.0 / 6.0, -1.0), (2.0 / 3.0, 0.0), (1.0 / 6.0, 1.0))
@@ -257,13 +262,8 @@ class Workload:
     # / Δrequests; on by default in vLLM v1): not computed, but read by what is.
     cached_prompt_tokens: float = 0.0
 
-    def __hash__(self) -> int:
-        # A key of every curve cache, looked up on each evaluation: hashed once.
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
+    def __hash__(self) -> int:  # a key of every curve cache, looked up on each evaluation
+        return _hash_once(self)
 
     @property
     def cached_tokens(self) -> float:

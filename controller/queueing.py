@@ -83,7 +83,7 @@ def mean_time_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: fl
     log_q -= shift
     q = np.exp(log_q, out=log_q)
     z, first = (weights @ q).tolist()
-    return _with_tail(math.exp(-shift) + rate_rps * z, first, float(q[-1]), top, rate_rps, tail_rps)
+    return _with_tail(math.exp(-shift) + rate_rps * z, first, q.item(-1), top, rate_rps, tail_rps)
 
 
 def mean_time_in_system_many(rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float) -> np.ndarray:
