@@ -15,6 +15,7 @@ read only here, to find which term misses, never to fit one. Prints figures; ass
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +129,30 @@ def main() -> None:
             f"{prompt_tokens.mean():.0f} prompt tokens each; beyond the decode step "
             f"{1e6 * extra.sum() / prompt_tokens.sum():.1f} µs a prompt token, model Δ(B)/P "
             f"{1e6 * float(model_us.mean()):.1f} µs ({computed:.0f} computed tokens a prompt)"
+        )
+        if not gamma:
+            _by_chunk(lm.target, seqs[mixed], prompt_tokens, extra)
+
+
+def _by_chunk(target: model_mod.StepCost, seqs: np.ndarray, prompt_tokens: np.ndarray, extra: np.ndarray) -> None:
+    """SD off: a mixed step's cost beyond the decode step, by its prompt tokens (quartiles),
+    against the target's fitted pass for the same tokens at the same batch. The model's pairs
+    are one prompt's (x²/2): a step holding several prompts has fewer, so its long bins read
+    the model high by their attention."""
+    edges = np.quantile(prompt_tokens, [0.0, 0.25, 0.5, 0.75, 1.0])
+    print("  by prompt tokens in the step: steps, mean tokens, truth µs a token, the fitted pass's, error")
+    for lo, hi in itertools.pairwise(edges):
+        pick = (prompt_tokens >= lo) & (prompt_tokens <= hi)
+        if not pick.any():
+            continue
+        x, b = prompt_tokens[pick].astype(float), seqs[pick].astype(float)
+        fit = np.array(
+            [target.scalar(bi + xi, pairs=0.5 * xi * xi) - target.scalar(bi) for bi, xi in zip(b, x, strict=True)]
+        )
+        truth_us, fit_us = 1e6 * extra[pick].sum() / x.sum(), 1e6 * fit.sum() / x.sum()
+        print(
+            f"  {lo:6.0f}-{hi:<6.0f} {pick.sum():6d} {x.mean():7.0f} {truth_us:8.1f} {fit_us:8.1f}"
+            f" {100 * (fit_us / truth_us - 1):+6.1f} %"
         )
 
 

@@ -26,6 +26,13 @@ def test_both_laws_are_probabilities_and_the_truths_mean_is_littles():
     steps = re.findall(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[+-][\d.]+ %$", out, flags=re.M)
     assert steps, out  # decode steps were listed, each with the truth's and the model's cost
     assert all(0.5 < float(m) / float(t) < 2.0 for _b, _n, t, m in steps)
+    # Mixed steps by their prompt tokens: four quartile bins, each the truth's and the fit's cost
+    # a token, and the fit's error that pair gives.
+    chunks = re.findall(r"^\s+(\d+)-(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+) %$", out, flags=re.M)
+    assert len(chunks) == 4, out
+    for lo, hi, _n, mean, truth_us, fit_us, err in chunks:
+        assert int(lo) <= int(mean) <= int(hi)
+        assert abs(100 * (float(fit_us) / float(truth_us) - 1) - float(err)) < 0.2
 
 
 def test_a_rate_the_load_csv_never_ran_is_one_line():
