@@ -93,12 +93,13 @@ def mean_time_in_system_many(rates_rps: np.ndarray, cum_log_rates: np.ndarray, t
     ok = rates < tail_rps
     if ok.any():
         lam, top = rates[ok], cum_log_rates.size - 1
+        states, weights = _VIEWS.get(top) or _views(top)
         log_rate = np.log(lam)
-        log_q = log_rate[:, None] * _STATES[:top] - cum_log_rates[1:]
+        log_q = log_rate[:, None] * states - cum_log_rates[1:]
         shift = np.maximum(_MAX(log_q, axis=1) + log_rate, 0.0)
         log_q -= shift[:, None]
         q = np.exp(log_q, out=log_q)
-        z, first = _WEIGHTS[:, 1 : top + 1] @ q.T
+        z, first = weights @ q.T
         out[ok] = _with_tail(np.exp(-shift) + lam * z, first, q[:, -1], top, lam, tail_rps)
     return out
 
