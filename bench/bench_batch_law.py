@@ -100,7 +100,7 @@ def main() -> None:
     # calibration's staircase residual at those tokens, as the chain prices it.
     per_seq = gamma + 1 if gamma else 1
     table = lm.verify_staircase_on if gamma else lm.decode_staircase_off
-    nodes = model_mod._stair_nodes(table) if table else None
+    nodes = model_mod.stair_nodes(table) if table else None
     alone = tokens <= seqs * per_seq
     print("\ndecode steps with no prompt: batch, steps, truth ms, model ms (line + staircase), error")
     for b in np.unique(seqs[alone]):

@@ -12,6 +12,7 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
     python bench/bench_fidelity.py --revalidate bench/results/fidelity-h100   # same runs, this code's model
     python bench/bench_fidelity.py --revalidate DIR --recalibrate BENCH_DIR   # ... and this code's calibrate
     python bench/bench_fidelity.py --reload DIR --truth a100-coarse [--seed 11]   # DIR's load tests, this code's
+    python bench/bench_fidelity.py --rebench DIR --truth a100-coarse   # this code's bench and calibrate, DIR's load tests
     python bench/bench_fidelity.py --replicate DIR --truth a100-coarse --seeds 101,102 [--from-fraction 0.7]
     python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
     python bench/bench_fidelity.py --truth a100-coarse --max-num-batched-tokens 2048   # vLLM's A100 default
@@ -41,6 +42,7 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from controller import calibration as cal_mod
@@ -121,6 +123,15 @@ def main() -> None:
         " latencies, rewrite DIR/load-*.csv and re-validate (a change in what the load test records or flags)",
     )
     ap.add_argument(
+        "--rebench",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run this code's micro-benchmarks on --truth (with --max-num-batched-tokens and --cache-preempted-blocks"
+        " as DIR was made) into DIR/bench-g*.csv, calibrate them into DIR/calibration.json and re-validate DIR's"
+        " load tests (a change in what the bench measures)",
+    )
+    ap.add_argument(
         "--replicate",
         type=Path,
         default=None,
@@ -160,25 +171,11 @@ def main() -> None:
         _summarize(reports, args.replicate)
         return
     if args.reload is not None:
-        started = time.monotonic()
-        try:
-            _reload(args.reload, TRUTHS[args.truth][0], args.seed)
-            reports = _revalidate(args.reload)
-        except InputError as exc:
-            raise SystemExit(f"bench_fidelity: {exc}") from None
-        print(f"re-ran the load tests in {time.monotonic() - started:.1f} s: {args.reload}/")
-        _summarize(reports, args.reload)
+        _redo(args.reload, "re-ran the load tests", lambda: _reload(args.reload, TRUTHS[args.truth][0], args.seed))
         return
     if args.revalidate is not None:
-        started = time.monotonic()
-        try:
-            if args.recalibrate is not None:
-                _recalibrate(args.revalidate, args.recalibrate)
-            reports = _revalidate(args.revalidate)
-        except InputError as exc:  # one line: what is wrong and where
-            raise SystemExit(f"bench_fidelity: {exc}") from None
-        print(f"re-validated in {time.monotonic() - started:.1f} s: {args.revalidate}/")
-        _summarize(reports, args.revalidate)
+        recalibrate = args.recalibrate
+        _redo(args.revalidate, "re-validated", lambda: recalibrate and _recalibrate(args.revalidate, recalibrate))
         return
     truth, rates = TRUTHS[args.truth]
     if args.max_num_batched_tokens is not None:
@@ -187,6 +184,9 @@ def main() -> None:
         truth = dataclasses.replace(truth, max_num_batched_tokens=args.max_num_batched_tokens)
     if args.cache_preempted_blocks:
         truth = dataclasses.replace(truth, cache_preempted_blocks=True)
+    if args.rebench is not None:
+        _redo(args.rebench, "re-benched and re-calibrated", lambda: _rebench(args.rebench, truth))
+        return
     if args.rates:
         try:
             rates = tuple(float(r) for r in args.rates.split(","))
@@ -223,6 +223,28 @@ def main() -> None:
     )
     print(f"done in {time.monotonic() - started:.0f} s; CSVs and calibration.json in {args.out}/")
     _summarize(run.reports, args.out)
+
+
+def _redo(workdir: Path, done: str, step: Callable[[], object]) -> None:
+    """``step`` on a stored directory, then re-validate it and print the summary; a bad input
+    is one line (what is wrong and where)."""
+    started = time.monotonic()
+    try:
+        step()
+        reports = _revalidate(workdir)
+    except InputError as exc:
+        raise SystemExit(f"bench_fidelity: {exc}") from None
+    print(f"{done} in {time.monotonic() - started:.1f} s: {workdir}/")
+    _summarize(reports, workdir)
+
+
+def _rebench(workdir: Path, truth: fidelity.TruthServer) -> None:
+    """This code's micro-benchmarks on ``truth`` into ``workdir``'s bench CSVs and calibration;
+    its load tests stay as they were run."""
+    if not sorted(workdir.glob("load-*.csv")):
+        raise InputError(f"{workdir}: no load-*.csv to re-validate")
+    cal = fidelity.measure_and_calibrate(truth, fidelity.BenchSettings(batch_sizes=fidelity.EVERY_8), workdir)
+    cal_mod.save(cal, workdir / "calibration.json")
 
 
 def _recalibrate(workdir: Path, bench_dir: Path) -> None:

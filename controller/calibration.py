@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
-from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload
+from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload, stair_nodes
 
 SCHEMA_VERSION = 2
 BENCH_COLUMNS = ("phase", "batch_size", "tokens_per_seq", "context_len", "iteration", "latency_s")
@@ -145,6 +145,13 @@ class VerifyStairStep(_Strict):
     residual_s: float = Field(ge=-10, le=10, description="measured SD step minus the fitted passes")
 
 
+class PromptStepTread(_Strict):
+    draft_length: int = Field(ge=0, le=64, description="the SD server's draft length; 0: SD off")
+    tread_share: float = Field(
+        ge=0, le=1, description="share of the decode (verify) step's staircase residual a step carrying a prompt keeps"
+    )
+
+
 class Phases(_Strict):
     target: PhaseSpec = Field(description="one target forward pass: decode, verify or prompt-chunk tokens")
     draft: PhaseSpec = Field(default=ZERO_PHASE, description="one draft forward pass (zero: n-gram)")
@@ -162,6 +169,11 @@ class Phases(_Strict):
         description="SD on: the SD steps' mean residual per benchmarked step size in target tokens, every "
         "draft length's together (the target's tiles count tokens, not sequences)",
     )
+    prompt_step_treads: list[PromptStepTread] = Field(
+        default=[],
+        description="per benchmarked draft length (0: SD off), what a step carrying a prompt chunk keeps of the "
+        "staircase, from the mixed rows (none: the whole tread, as files from before it were read)",
+    )
 
     @model_validator(mode="after")
     def _staircase_ascends(self) -> Phases:
@@ -171,6 +183,9 @@ class Phases(_Strict):
         tokens = [s.step_tokens for s in self.verify_staircase]
         if any(b <= a for a, b in itertools.pairwise(tokens)):
             raise ValueError("verify_staircase step tokens must be strictly increasing")
+        lengths = [t.draft_length for t in self.prompt_step_treads]
+        if any(b <= a for a, b in itertools.pairwise(lengths)):
+            raise ValueError("prompt_step_treads draft lengths must be strictly increasing")
         return self
 
 
@@ -268,6 +283,7 @@ class CalibrationFile(_Strict):
             relative_sd_on=self.uncertainty.relative_sd_on,
             decode_staircase_off=tuple((float(x.batch_size), x.residual_s) for x in ph.decode_staircase),
             verify_staircase_on=tuple((float(x.step_tokens), x.residual_s) for x in ph.verify_staircase),
+            prompt_step_treads=tuple((float(t.draft_length), t.tread_share) for t in ph.prompt_step_treads),
         )
 
 
@@ -1182,6 +1198,7 @@ def fit_phases(
     verify = verify_staircase(kept, target.step_cost(), draft.step_cost(), overhead, budget, moe)
     target = _noted(target, _coarse_note("decode staircase", "batch sizes", [s.batch_size for s in staircase]))
     draft = _noted(draft, _coarse_note("SD step staircase", "step sizes", [s.step_tokens for s in verify]))
+    treads = prompt_step_treads(kept, target.step_cost(), draft.step_cost(), overhead, budget, moe, staircase, verify)
     phases = Phases(
         target=target,
         draft=draft,
@@ -1189,6 +1206,7 @@ def fit_phases(
         draft_prefills=True,
         decode_staircase=staircase,
         verify_staircase=verify,
+        prompt_step_treads=treads,
     )
     return phases, unc
 
@@ -1230,6 +1248,17 @@ def decode_staircase(
     return [StairStep(batch_size=b, residual_s=v) for b, v in sorted(means.items())]
 
 
+def _step_residual(
+    row: BenchRow, target: StepCost, draft: StepCost, overhead_s: float, budget: int | None, moe: Moe | None
+) -> float:
+    """Measured − the fitted passes' seconds: the target's, and on an SD server the draft's and
+    the step's overhead."""
+    resid = _target_residual(row, target, budget, moe)[1]
+    if row.draft_length > 0:
+        resid -= sum(c * draft.scalar(x, z, q, a) for c, x, z, q, a in draft_passes(row, budget)) + overhead_s
+    return resid
+
+
 def verify_staircase(
     rows: Sequence[BenchRow],
     target: StepCost,
@@ -1247,14 +1276,56 @@ def verify_staircase(
     lengths' rows interleave (γ = 2 every 3·8 tokens, γ = 4 every 5·8) and place the risers
     between them; a draft length never benchmarked reads the same table.
     """
-    residuals = []
-    for r in rows:
-        if r.phase != "verify" or r.draft_length <= 0:
-            continue
-        drafted = sum(c * draft.scalar(x, z, q, a) for c, x, z, q, a in draft_passes(r, budget)) + overhead_s
-        residuals.append((r, _target_residual(r, target, budget, moe)[1] - drafted))
+    residuals = [
+        (r, _step_residual(r, target, draft, overhead_s, budget, moe))
+        for r in rows
+        if r.phase == "verify" and r.draft_length > 0
+    ]
     means = _supported_means(residuals, lambda r: r.batch_size * (r.draft_length + 1))
     return [VerifyStairStep(step_tokens=t, residual_s=v) for t, v in sorted(means.items())]
+
+
+def prompt_step_treads(
+    rows: Sequence[BenchRow],
+    target: StepCost,
+    draft: StepCost,
+    overhead_s: float,
+    budget: int | None,
+    moe: Moe | None,
+    staircase: Sequence[StairStep],
+    verify: Sequence[VerifyStairStep],
+) -> list[PromptStepTread]:
+    """Per draft length (0: SD off), what a step carrying a prompt chunk keeps of the staircase.
+
+    The mixed rows' mean residual at each batch B is regressed on the staircase's residual there
+    (the decode table at B; with SD the verify table at B·(γ + 1)): m(B) = c + share·s(B), c the
+    line's mean misfit of the mixed rows (fitted beside the share, not added to the chain).
+    A chunk of whole tiles leaves B + C on B's tread (share near 1: a bench of 128, 512, …
+    token chunks on 128-token tiles reads 0.7–0.9); a chunk anywhere on the tiles moves the
+    target's passes off it (SD off: near 0), and with SD the draft's single-token passes stay
+    (γ = 4 on the simulated A100: 0.37). Fewer than three batch sizes with mixed rows: none.
+    """
+    off = stair_nodes(tuple((float(s.batch_size), s.residual_s) for s in staircase)) if staircase else None
+    on = stair_nodes(tuple((float(s.step_tokens), s.residual_s) for s in verify)) if verify else None
+    by_length: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.phase != "mixed":
+            continue
+        by_length[r.draft_length][r.batch_size].append(_step_residual(r, target, draft, overhead_s, budget, moe))
+    out = []
+    for gamma, by_batch in sorted(by_length.items()):
+        if len(by_batch) < 3:
+            continue
+        batches = np.array(sorted(by_batch), dtype=float)
+        mean = np.array([np.mean(by_batch[int(b)]) for b in batches])
+        nodes = on if gamma > 0 else off
+        tread = np.interp(batches * (gamma + 1), *nodes, right=0.0) if nodes else np.zeros_like(batches)
+        share = 0.0
+        if np.ptp(tread) > 0:
+            coef, *_ = np.linalg.lstsq(np.column_stack([np.ones_like(tread), tread]), mean, rcond=None)
+            share = min(max(float(coef[1]), 0.0), 1.0)
+        out.append(PromptStepTread(draft_length=gamma, tread_share=share))
+    return out
 
 
 def _supported_means(residuals: Sequence[tuple[BenchRow, float]], size: Callable[[BenchRow], int]) -> dict[int, float]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -227,9 +228,35 @@ class LatencyModel:
     # (target tokens in the step, seconds): the SD step's measured residual from its fitted
     # passes per benchmarked step size, B·(γ + 1), every draft length's together; () = none.
     verify_staircase_on: tuple[tuple[float, float], ...] = ()
+    # (draft length, 0 = SD off; share of the tread): what a step carrying a prompt chunk keeps
+    # of the staircase (prompt_step_tread); () = the whole tread, as calibrations from before
+    # it were read.
+    prompt_step_treads: tuple[tuple[float, float], ...] = ()
 
     def __hash__(self) -> int:  # curves are cached per model
         return _hash_once(self)
+
+
+def prompt_step_tread(model: LatencyModel, draft_length: float) -> float:
+    """The share of the tread a step carrying a prompt chunk pays, for SD off (``draft_length``
+    0) or on at that draft length.
+
+    The staircase is the decode (verify) step's residual at its batch: GEMMs run in whole tiles.
+    A prompt chunk moves the step's tokens to B + C, anywhere on the tiles, so the target's
+    passes cost the line; what stays at the batch's tread is what the chunk does not touch (with
+    SD, the draft's γ − 1 single-token passes). The calibration measures it from its mixed rows;
+    a draft length it never benched reads the nearest ones' (linear in γ between them).
+    """
+    sd = draft_length > 0
+    known = [(g, share) for g, share in model.prompt_step_treads if (g > 0) == sd]
+    if not known:
+        return 1.0
+    if not sd or draft_length <= known[0][0]:
+        return known[0][1]
+    for (g0, s0), (g1, s1) in itertools.pairwise(known):
+        if draft_length <= g1:
+            return s0 + (draft_length - g0) / (g1 - g0) * (s1 - s0)
+    return known[-1][1]
 
 
 _GH3 = ((1.0 / 6.0, -1.0), (2.0 / 3.0, 0.0), (1.0 / 6.0, 1.0))
@@ -929,7 +956,18 @@ def mode_curve(
     budget = model.max_num_batched_tokens
     chunks = chunking_excess(terms, nodes, workload.prompt_tokens_std, budget, bound) if p > 0 and budget else None
     chain, gained = _chain_rates(
-        segments, waits, ends, bound, lines, sharing, stair, peak_b, q if p > 0 else None, chunks, steps
+        segments,
+        waits,
+        ends,
+        bound,
+        lines,
+        sharing,
+        stair,
+        peak_b,
+        q if p > 0 else None,
+        chunks,
+        steps,
+        prompt_step_tread(model, draft_length if sd else 0.0),
     )
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
     # found rises with the best state's (the chain's tail is served at the limit), and moves
@@ -1138,7 +1176,7 @@ STAIR_MAX_GAP_TOKENS = 40.0
 
 
 @functools.lru_cache(maxsize=64)
-def _stair_nodes(table: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+def stair_nodes(table: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray]:
     """The table as interpolation nodes: each gap wider than STAIR_MAX_GAP_TOKENS is pinned to
     zero just inside its ends, so the residuals hold at the sizes measured and nowhere between."""
     tokens, residual = [table[0][0]], [table[0][1]]
@@ -1159,7 +1197,7 @@ def _staircase(table: tuple[tuple[float, float], ...], steps: float, bound: floa
     draft length longer than any it ran) nothing is known: nothing is added.
     """
     top = min(math.floor(bound), MAX_STATES)
-    tokens, residual = _stair_nodes(table)
+    tokens, residual = stair_nodes(table)
     return (steps + 0.5) * np.interp(_CHAIN_N[:top] * tokens_per_seq, tokens, residual, right=0.0)
 
 
@@ -1190,6 +1228,36 @@ def bunched_wait_excess(lam, tau, delta, q: float):
     return rho * rho * (tau + q * rho * delta / (1.0 + rho)) / (2.0 - 2.0 * rho)
 
 
+def prompt_step_share(arrivals, bunching):
+    """The share of steps that carry a prompt, when each step's prompts are those that arrived
+    during the step before: ``arrivals`` = λ·τ (a bare step's), ``bunching`` = λ·Δ (what each
+    prompt a step carries adds to the next one's). Scalars or arrays.
+
+    J' ~ Poisson(λ·(τ + Δ·J)) is a branching process with Poisson(a) immigration and Poisson(b)
+    offspring, whose stationary PGF solves G(z) = e^(a(z − 1))·G(e^(b(z − 1))). So the share
+    without a prompt is G(0) = exp(−a·S(b)), S(b) = Σ u_k, u_0 = 1, u_(k+1) = 1 − e^(−b·u_k):
+    e^(−a) on a quiet server, and more than e^(−a/(1 − b)) (prompts per step averaged first) as
+    long steps breed long steps. On the simulated H100 (`chat`, 14 req/s: a = 0.29, b = 0.44)
+    37 % of steps carry one, 40 % by the mean, 31 % measured. S depends on b alone: tabulated
+    once (_BRANCHING), read by interpolation.
+    """
+    return -np.expm1(-arrivals * np.interp(bunching, *_BRANCHING))
+
+
+def _branching_sums(points: int = 384, terms: int = 800) -> tuple[np.ndarray, np.ndarray]:
+    """S(b) = Σ u_k on b ∈ [0, MAX_PROMPT_SHARE] (:func:`prompt_step_share`): u_k falls as b^k
+    once small, 0.95^800 ≈ 1e-18."""
+    b = np.linspace(0.0, MAX_PROMPT_SHARE, points)
+    u, total = np.ones_like(b), np.ones_like(b)
+    for _ in range(terms):
+        u = -np.expm1(-b * u)
+        total += u
+    return b, total
+
+
+_BRANCHING = _branching_sums()
+
+
 def _chain_rates(
     segments,
     waits,
@@ -1202,6 +1270,7 @@ def _chain_rates(
     prompt_q: float | None = None,
     chunking: tuple[np.ndarray, np.ndarray] | None = None,
     steps: float | None = None,
+    prompt_tread: float = 1.0,
 ) -> tuple[np.ndarray, float]:
     """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1);
     and how much prompts sharing a step and the staircase raise the best state's rate (1.0
@@ -1227,6 +1296,9 @@ def _chain_rates(
     request's own prompt takes beyond one) prices prompts longer than the step's token budget
     leaves beside the batch: see :func:`chunking_excess`.
 
+    ``prompt_tread``: the share of ``stair_s``'s tread a step carrying a prompt keeps
+    (:func:`prompt_step_tread`); :func:`prompt_step_share` of the steps carry one.
+
     ``steps`` (a request's decode steps; with ``prompt_q``) counts the prompts around the step
     in flight: those that arrived in it before the request share its prefill step, those that
     arrive in its last step are prefilled after it, λ·Δ·(wait − min((T − wait)/(steps + 1), 2·wait)).
@@ -1248,13 +1320,16 @@ def _chain_rates(
         np.maximum(t, 1e-300, out=t)  # a zero-cost pass (refused by its loader): no 0/0 below
         plain = (n / t).max()
         tau, delta = s0 + s1 * b, d0 + d1 * b
+        lam = b / t
+        lam[0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
+        if stair_s is not None and prompt_tread != 1.0:
+            # The steps that carry a prompt keep only part of the tread.
+            stair_s = stair_s * (1.0 - prompt_step_share(lam * tau, lam * delta) * (1.0 - prompt_tread))
         if sharing is not None:
             at, cum_w, cum_wat = sharing
-            i = at.searchsorted(b)
-            lam = b / t
-            lam[0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
             # The step with its prompts; past a full step of prompts the budget limit holds.
             mu = lam * tau / np.maximum(1.0 - lam * delta, 0.05)
+            i = at.searchsorted(b)
             x -= (b * cum_w[i] - cum_wat[i]) * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
             t = 0.5 * (x + np.sqrt(x * x + b4r))
         if prompt_q is not None:

@@ -145,3 +145,11 @@ def test_replicate_runs_the_rates_on_other_seeds_and_pools_them(tmp_path):
     mean = sum(float(x) for x in latencies) / 3
     assert point["measured_s"] == pytest.approx(mean, rel=1e-6)
     assert "off      at 1 req/s: 3 runs (0 saturated), measured" in run.stdout
+
+
+def test_rebench_needs_load_tests_to_revalidate(tmp_path):
+    # No load tests in DIR: one line before anything is benched, nothing written.
+    run = bench_fidelity("--rebench", str(tmp_path), "--truth", "a100-coarse")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == f"bench_fidelity: {tmp_path}: no load-*.csv to re-validate"
+    assert list(tmp_path.iterdir()) == []

@@ -191,6 +191,7 @@ def test_cli_load_test_writes_one_row_per_rate(fake, tmp_path, monkeypatch):
         ["--phase", "verify"],
         ["--phase", "target", "--draft-length", "4"],
         ["--chunk-tokens", "0"],
+        ["--chunk-phase-tokens", "-1"],
         ["--max-num-batched-tokens", "8"],
         ["--load-test", "--rates", "0"],
         ["--load-test", "--duration-s", "1e9"],

@@ -18,7 +18,15 @@ COSTS = Costs()
 
 
 def plan(**kw) -> micro.MicroPlan:
-    defaults = dict(phases=("prefill", "target"), batch_sizes=(1, 4), prompt_tokens=64, gen_tokens=31, iterations=2)
+    # The planned chunks as they are (no tile-phase walk) unless a test asks for it.
+    defaults = dict(
+        phases=("prefill", "target"),
+        batch_sizes=(1, 4),
+        prompt_tokens=64,
+        gen_tokens=31,
+        iterations=2,
+        chunk_phase_tokens=0,
+    )
     return micro.MicroPlan(**{**defaults, **kw})
 
 
@@ -98,6 +106,32 @@ def test_a_chunk_past_the_budget_is_measured_at_what_the_budget_leaves():
     ]
     for r in by_phase(rows, "mixed"):
         assert r.latency_s == pytest.approx(COSTS.step_s(r.chunk_tokens, 2, 0))
+
+
+def test_tile_phase_offsets_walk_the_tile_evenly():
+    # B + C must not sit at B's phase of every tile: over a recipe's grid the offsets cover
+    # [0, 128) with no phase left out, and the same plan gives the same chunks.
+    batches = fidelity.EVERY_8
+    offsets = np.array([micro.tile_phase_offset(b, i, 128) for b in batches for i in range(5)])
+    assert offsets.min() >= 0 and offsets.max() < 128
+    counts = np.bincount(offsets // 16, minlength=8)
+    assert counts.min() >= 0.6 * offsets.size / 8, counts
+    assert list(offsets) == [micro.tile_phase_offset(b, i, 128) for b in batches for i in range(5)]
+    assert {micro.tile_phase_offset(b, i, 0) for b in batches for i in range(5)} == {0}
+
+
+def test_mixed_rows_carry_the_walked_chunks():
+    rows = micro.run_micro(
+        FakeBenchServer(),
+        plan(
+            phases=("mixed",), batch_sizes=(1, 8), chunk_tokens=(128, 1024), chunk_phase_tokens=micro.TILE_PHASE_TOKENS
+        ),
+    )
+    want = {(b, c + micro.tile_phase_offset(b, i, 128)) for b in (1, 8) for i, c in enumerate((128, 1024))}
+    assert {(r.batch_size, r.chunk_tokens) for r in by_phase(rows, "mixed")} == want
+    assert any(c % 128 for _, c in want)
+    for r in by_phase(rows, "mixed"):
+        assert r.latency_s == pytest.approx(COSTS.step_s(r.chunk_tokens, r.batch_size, 0), rel=0.01)
 
 
 @pytest.mark.parametrize(

@@ -187,6 +187,7 @@ def test_a_mixed_run_whose_injection_outlasts_a_decoder_is_rerun_with_longer_dec
         gen_tokens=GEN,
         iterations=1,
         chunk_tokens=(chunk,),
+        chunk_phase_tokens=0,  # the very chunk sized above
     )
     server = SimulatedServer(s, seed=1)
     pilot = micro.decode_run(server, batch, PROMPT, GEN, 4)

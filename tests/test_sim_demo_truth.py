@@ -108,7 +108,8 @@ def test_shipped_truth_calibration_is_what_bench_then_calibrate_produces(tmp_pat
     assert not shipped.example
     # The shipped file was benched before decode runs with no all-decode step were run again
     # longer (stop 34): that is off here, as the staircases are left out below.
-    fresh, _ = decisions.calibrate(tmp_path, bench=BenchSettings(rerun_staggered=False))
+    # Nor did its mixed runs walk the tiles' phases (stop 44): their chunks as planned.
+    fresh, _ = decisions.calibrate(tmp_path, bench=BenchSettings(rerun_staggered=False, chunk_phase_tokens=0))
     assert fresh.metadata.source_sha256 == shipped.metadata.source_sha256
     # Calibrate now also keeps the decode staircase (stop 31) and the SD step's (stop 32); the
     # shipped file predates them and is kept without, so the stored decisions-bench results stay
@@ -118,7 +119,9 @@ def test_shipped_truth_calibration_is_what_bench_then_calibrate_produces(tmp_pat
     verify_tokens = sorted({b * (g + 1) for b in sizes for g in BenchSettings().draft_lengths})
     assert [s.step_tokens for s in fresh.phases.verify_staircase] == verify_tokens
     assert shipped.phases.decode_staircase == [] and shipped.phases.verify_staircase == []
-    bare = {"decode_staircase": [], "verify_staircase": []}
+    # Nor what a step carrying a prompt keeps of them (stop 44).
+    assert shipped.phases.prompt_step_treads == [] and fresh.phases.prompt_step_treads
+    bare = {"decode_staircase": [], "verify_staircase": [], "prompt_step_treads": []}
     fresh = fresh.model_copy(update={"phases": fresh.phases.model_copy(update=bare)})
     # The same fit to the last few ulps: the least-squares solves sum in BLAS's order, which
     # differs between machines and thread counts (CI saw 0.006406422892304603 vs ...458).

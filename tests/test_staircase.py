@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from controller.calibration import calibrate
-from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, StepCost, Workload, curves
+from controller.model import (
+    STAIR_MAX_GAP_TOKENS,
+    LatencyModel,
+    StepCost,
+    Workload,
+    curves,
+    prompt_step_share,
+    prompt_step_tread,
+)
 from controller.queueing import cumulative_log_rates, mean_time_in_system, mean_time_in_window
 from controller.synthetic import bench_rows
 
@@ -188,6 +196,87 @@ def test_the_sd_chain_reads_the_staircase_at_its_step_tokens_and_adds_nothing_pa
         assert np.allclose(h[tokens > 600], h0[tokens > 600])  # past the table: nothing known
 
 
+def _step_s(curve) -> np.ndarray:
+    """T(n) = n / h(n): each state's time a request spends, off the chain's departure rates."""
+    h = np.exp(np.diff(curve.cum_log_rates))
+    return np.arange(1, h.size + 1) / h
+
+
+def _tread_share(model: LatencyModel, workload: Workload, tread_s: float) -> np.ndarray:
+    """Each state's added time over the line's chain, in whole treads of the request's steps."""
+    plain, _ = curves(replace(model, decode_staircase_off=(), prompt_step_treads=()), 0.7, 2, workload)
+    on, _ = curves(model, 0.7, 2, workload)
+    return (_step_s(on) - _step_s(plain)) / tread_s
+
+
+R_TREAD = 0.002
+FLAT = replace(LINE, decode_staircase_off=sampled(lambda b: R_TREAD, BATCHES))
+DECODE_ONLY = Workload(0.0, 280.0, 200.0, 500.0)
+PROMPTED = Workload(900.0, 280.0, 200.0, 500.0)
+
+
+def test_a_step_carrying_a_prompt_keeps_the_measured_share_of_the_tread():
+    # A prompt chunk moves the step's tokens to B + C, anywhere on the tiles: its passes cost the
+    # line, except what the chunk does not touch (prompt_step_share of the steps carry one).
+    steps = curves(LINE, 0.7, 2, DECODE_ONLY)[0].steps
+    tread_s = (steps + 0.5) * R_TREAD  # the request's steps and the half step it waits for
+    for share in (0.0, 0.5):
+        model = replace(FLAT, prompt_step_treads=((0.0, share),))
+        # No prompts: every step on the tread, whatever the share.
+        np.testing.assert_allclose(_tread_share(model, DECODE_ONLY, tread_s), 1.0, rtol=1e-9)
+        kept = _tread_share(model, PROMPTED, tread_s)
+        assert kept[0] == pytest.approx(1.0)  # alone: no prompt shares its steps
+        assert (kept[1:] < 1.0).all() and (kept > share).all()
+        assert (np.diff(kept) <= 1e-12).all()  # more running, more prompts a step: less of the tread
+        assert kept[-1] < 0.8
+    half = _tread_share(replace(FLAT, prompt_step_treads=((0.0, 0.5),)), PROMPTED, tread_s)
+    none = _tread_share(replace(FLAT, prompt_step_treads=((0.0, 0.0),)), PROMPTED, tread_s)
+    np.testing.assert_allclose(half, 0.5 + 0.5 * none, rtol=1e-6)  # pure steps + share·the others
+    # A calibration from before the mixed rows were read (no entry): the whole tread, as then.
+    np.testing.assert_allclose(_tread_share(FLAT, PROMPTED, tread_s), 1.0, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("treads", "gamma", "want"),
+    [
+        ((), 0, 1.0),
+        ((), 4, 1.0),
+        (((0, 0.1),), 4, 1.0),  # SD never benched: SD off's does not carry over
+        (((0, 0.1), (2, 0.2), (4, 0.6)), 0, 0.1),
+        (((0, 0.1), (2, 0.2), (4, 0.6)), 3, 0.4),  # between: linear in γ
+        (((0, 0.1), (2, 0.2), (4, 0.6)), 1, 0.2),  # below: the nearest
+        (((0, 0.1), (2, 0.2), (4, 0.6)), 6, 0.6),  # beyond: the nearest
+    ],
+)
+def test_prompt_step_tread_per_draft_length(treads, gamma, want):
+    model = replace(LINE, prompt_step_treads=tuple((float(g), s) for g, s in treads))
+    assert prompt_step_tread(model, gamma) == pytest.approx(want)
+
+
+def test_calibrate_reads_the_share_off_the_mixed_rows():
+    # Mixed rows off the tread (a chunk anywhere on the tiles) read a share near 0; mixed rows
+    # on their batch's tread (chunks of whole tiles) near 1.
+    rows = bench_rows(LINE, batch_sizes=BATCHES, noise=0.003, iterations=4, seed=5)
+
+    decode = {r.batch_size: r.latency_s for r in rows if r.phase == "target"}
+
+    def treaded(r):  # the decode step's tread in seconds, on its rows and (on tiles) the mixed ones
+        if r.phase == "target" or (r.phase == "mixed" and r.draft_length == 0 and on_tiles):
+            return replace(r, latency_s=r.latency_s + tread(r.batch_size) * decode[r.batch_size])
+        return r
+
+    on_tiles = False
+    off_tiles = calibrate([treaded(r) for r in rows], max_num_batched_tokens=8192, warmup=1)
+    on_tiles = True
+    whole = calibrate([treaded(r) for r in rows], max_num_batched_tokens=8192, warmup=1)
+    got = {t.draft_length: t for t in off_tiles.phases.prompt_step_treads}
+    assert sorted(got) == [0]  # the synthetic bench's mixed rows are SD off's
+    assert got[0].tread_share < 0.15
+    (on0, *_) = whole.phases.prompt_step_treads
+    assert on0.draft_length == 0 and on0.tread_share > 0.85
+    assert whole.latency_model().prompt_step_treads[0] == (0.0, on0.tread_share)
+
+
 def test_calibrate_says_where_its_grid_is_too_coarse_to_read_a_staircase():
     # Every 8 sequences leaves no gap wider than 40 tokens; powers of two leave them past 32.
     dense = calibrate(bench_rows(LINE, batch_sizes=(1, 2, 4, *range(8, 257, 8)), seed=3), max_num_batched_tokens=8192)
@@ -220,3 +309,17 @@ def test_a_smooth_servers_jitter_is_not_kept_as_a_staircase_and_a_tiled_ones_tre
     want = np.array([token_tread(s.step_tokens) for s in big])
     assert np.corrcoef(got, want)[0, 1] > 0.9
     assert np.sqrt(np.mean(got**2)) > 0.7 * np.sqrt(np.mean(want**2))
+
+
+@pytest.mark.parametrize(("arrivals", "bunching"), [(0.05, 0.0), (0.3, 0.2), (0.29, 0.44), (0.5, 0.8)])
+def test_prompt_step_share_is_the_branching_process_measured(arrivals, bunching):
+    # A step's prompts are those that arrived during the one before, J' ~ Poisson(a + b·J):
+    # the closed form against that chain run for 200,000 steps.
+    rng = np.random.default_rng(7)
+    j, carried, n = 0, 0, 200_000
+    for _ in range(n):
+        j = rng.poisson(arrivals + bunching * j)
+        carried += j > 0
+    assert prompt_step_share(arrivals, bunching) == pytest.approx(carried / n, abs=0.006)
+    # Averaging the prompts a step carries first (e^(−a/(1 − b)) without one) over-counts them.
+    assert prompt_step_share(arrivals, bunching) <= -np.expm1(-arrivals / (1.0 - bunching)) + 1e-12

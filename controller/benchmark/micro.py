@@ -45,6 +45,13 @@ from controller.benchmark.probe import BenchServer, ProbeError, ProbeRequest, Pr
 
 PHASES = ("prefill", "target", "verify", "mixed")
 DEFAULT_CHUNK_TOKENS = (128, 512, 1024, 2048)
+# GEMMs run in whole tiles (64–256 rows of tokens) and waves of tiles. With a chunk a multiple
+# of the tile, a mixed step's B + C tokens waste exactly what B alone wastes, while a served
+# prompt lands anywhere: such a bench prices a prompt riding a batch that fills its tiles (B
+# near 256) too cheaply, 2–11 % on a 128-token-tile GPU. Offsets over this many tokens walk the
+# phases instead.
+TILE_PHASE_TOKENS = 128
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 CROSS_CHECK_TOLERANCE = 0.25  # relative gap between the two mixed-step estimates that earns a warning
 # N₂ over what the mean acceptance needs, for a mixed run whose injection outlasted a decoder.
 MIXED_RETRY_MARGIN = 1.3
@@ -73,6 +80,9 @@ class MicroPlan:
     # Run a decode run again longer when no step had every decoder decoding (decode_together).
     # Off only to reproduce a bench from before it (the shipped truth calibration).
     rerun_staggered: bool = True
+    # Each mixed run's chunk is its planned size plus an offset below this (tile_phase_offset),
+    # so the step's tokens B + C do not sit at B's phase of every GEMM tile; 0: as planned.
+    chunk_phase_tokens: int = TILE_PHASE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -347,6 +357,15 @@ def mixed_step_s(
     return max(latency_s, 0.0)
 
 
+def tile_phase_offset(batch: int, index: int, span: int) -> int:
+    """Tokens added to the ``index``-th planned chunk beside ``batch`` decoders: a golden-ratio
+    walk over [0, span), so the bench's (B, C) pairs cover the tile phases evenly and the same
+    plan always runs the same chunks."""
+    if span <= 1:
+        return 0
+    return int(((batch * _GOLDEN + index * _GOLDEN * _GOLDEN) % 1.0) * span)
+
+
 def chunks_beside(
     chunks: Sequence[int], batch: int, tokens_per_seq: int, budget: int | None, warn: Warn | None = None
 ) -> list[int]:
@@ -461,7 +480,10 @@ def run_micro(
                 pilot, gen = decode_together(
                     server, batch, plan.prompt_tokens, gen, gamma, reruns, info.kv_cache_tokens
                 )
-            for chunk in chunks_beside(plan.chunk_tokens, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
+            planned = [
+                c + tile_phase_offset(batch, i, plan.chunk_phase_tokens) for i, c in enumerate(plan.chunk_tokens)
+            ]
+            for chunk in chunks_beside(planned, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
                 single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
                 layout = mixed_layout(pilot, gen, single.done_s - single.sent_s, plan)
                 if (why := kv_shortfall(info, batch, plan.prompt_tokens, chunk, layout)) is not None:

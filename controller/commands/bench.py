@@ -16,7 +16,7 @@ import time
 
 from controller.benchmark.csvio import bench_csv, load_csv, write_text_atomic
 from controller.benchmark.loadtest import MAX_DURATION_S, MAX_REQUESTS, LoadPlan, lognormal_workload, run_load
-from controller.benchmark.micro import DEFAULT_CHUNK_TOKENS, PHASES, MicroPlan, run_micro
+from controller.benchmark.micro import DEFAULT_CHUNK_TOKENS, PHASES, TILE_PHASE_TOKENS, MicroPlan, run_micro
 from controller.benchmark.probe import ProbeError
 from controller.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, InputError
 
@@ -76,6 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-tokens",
         default=",".join(map(str, DEFAULT_CHUNK_TOKENS)),
         help="mixed: prompt tokens of the injected prefill chunk, comma list (default 128,512,1024,2048)",
+    )
+    parser.add_argument(
+        "--chunk-phase-tokens",
+        type=int,
+        default=TILE_PHASE_TOKENS,
+        help="mixed: each chunk grows by an offset below this, walking the GEMM tiles' phases so a step's"
+        f" batch-plus-chunk tokens land anywhere on them, as served prompts do (default {TILE_PHASE_TOKENS};"
+        " 0: the sizes as given)",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -155,6 +163,7 @@ def _micro_plan(args: argparse.Namespace) -> MicroPlan:
         iterations=args.iterations,
         warmup=args.warmup,
         chunk_tokens=tuple(parse_int_list(args.chunk_tokens, "--chunk-tokens")),
+        chunk_phase_tokens=args.chunk_phase_tokens,
         context_prompt_tokens=tuple(parse_int_list(args.context_prompt_tokens, "--context-prompt-tokens"))
         if args.context_prompt_tokens
         else (),
@@ -166,6 +175,8 @@ def _micro_plan(args: argparse.Namespace) -> MicroPlan:
         raise InputError("--gen-tokens must be >= 2 (one token comes from the prefill pass)")
     if plan.warmup < 0:
         raise InputError("--warmup must be >= 0")
+    if plan.chunk_phase_tokens < 0:
+        raise InputError("--chunk-phase-tokens must be >= 0")
     return plan
 
 

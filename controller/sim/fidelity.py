@@ -22,7 +22,7 @@ import numpy as np
 from controller import calibration as cal_mod
 from controller.benchmark import csvio
 from controller.benchmark.loadtest import LoadPlan, MakeRequests, run_load
-from controller.benchmark.micro import MicroPlan, run_micro
+from controller.benchmark.micro import TILE_PHASE_TOKENS, MicroPlan, run_micro
 from controller.benchmark.probe import ProbeRequest
 from controller.sim.gpu import H100_SXM, LLAMA_3_1_8B, LLAMA_3_2_1B, GpuSpec, ModelSpec
 from controller.sim.simserver import SimulatedServer
@@ -81,6 +81,10 @@ class BenchSettings:
     # Decode runs with no all-decode step run again longer (micro.decode_together); off only to
     # reproduce the shipped truth calibration, benched before it.
     rerun_staggered: bool = True
+    # Mixed-run chunks walk the GEMM tiles' phases (micro.tile_phase_offset); 0 only to
+    # reproduce a bench from before it (the shipped truth calibration, the stored fidelity runs
+    # before stop 44).
+    chunk_phase_tokens: int = TILE_PHASE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ def measure_and_calibrate(
             chunk_tokens=bench.chunk_tokens,
             context_prompt_tokens=bench.context_prompt_tokens,
             rerun_staggered=bench.rerun_staggered,
+            chunk_phase_tokens=bench.chunk_phase_tokens,
         )
         rows = run_micro(server, plan)
         path = workdir / f"bench-g{gamma}.csv"
