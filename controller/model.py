@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -251,12 +250,8 @@ def prompt_step_tread(model: LatencyModel, draft_length: float) -> float:
     known = [(g, share) for g, share in model.prompt_step_treads if (g > 0) == sd]
     if not known:
         return 1.0
-    if not sd or draft_length <= known[0][0]:
-        return known[0][1]
-    for (g0, s0), (g1, s1) in itertools.pairwise(known):
-        if draft_length <= g1:
-            return s0 + (draft_length - g0) / (g1 - g0) * (s1 - s0)
-    return known[-1][1]
+    lengths, shares = zip(*known, strict=True)
+    return float(np.interp(draft_length, lengths, shares))
 
 
 _GH3 = ((1.0 / 6.0, -1.0), (2.0 / 3.0, 0.0), (1.0 / 6.0, 1.0))
