@@ -1610,8 +1610,11 @@ def break_even_rates(
     mu_off, mu_on = off.stability_limit_rps, on.stability_limit_rps
     stop = min(mu_off, mu_on)
 
+    seen: dict[float, float] = {}  # every refined rate's speedup: a later threshold starts from them
+
     def speedup(lam: float) -> float:
-        return _speedup_from(off.latency_s(lam), on.latency_s(lam), mu_off, mu_on)
+        seen[lam] = value = _speedup_from(off.latency_s(lam), on.latency_s(lam), mu_off, mu_on)
+        return value
 
     grid = [stop * i / BREAK_EVEN_GRID for i in range(BREAK_EVEN_GRID)] + [stop * (1.0 - 1e-9)]
     # The grid in one pass of each mode's chain (the same sums as latency_s, one row per rate).
@@ -1628,8 +1631,12 @@ def break_even_rates(
         if hit is None:
             result[th] = BreakEven(th, float(mu_on), False) if mu_on <= mu_off else BreakEven(th, None, True)
             continue
-        lo, hi = grid[hit - 1], grid[hit]
-        rate = _crossing(lambda lam, th=th: speedup(lam) - th, lo, hi, values[hit - 1] - th, values[hit] - th)
+        # The first sign change among the bracket's ends and the rates refined so far in it.
+        inside = sorted((x, v) for x, v in seen.items() if grid[hit - 1] < x < grid[hit])
+        points = [(grid[hit - 1], values[hit - 1]), *inside, (grid[hit], values[hit])]
+        k = next(i for i, (_, v) in enumerate(points) if v < th)
+        (lo, v_lo), (hi, v_hi) = points[k - 1], points[k]
+        rate = _crossing(lambda lam, th=th: speedup(lam) - th, lo, hi, v_lo - th, v_hi - th)
         result[th] = BreakEven(th, rate, False)
     return result
 
@@ -1637,30 +1644,31 @@ def break_even_rates(
 def _crossing(f: Callable[[float], float], lo: float, hi: float, f_lo: float, f_hi: float) -> float:
     """Where ``f`` turns negative in [lo, hi] (``f_lo`` ≥ 0 > ``f_hi``), to BREAK_EVEN_REL_TOL.
 
-    The Illinois method: a secant step inside the bracket, the end that stays put twice in a row
-    weighing half (plain regula falsi would creep from one side). On the smooth speedup curve it
-    takes about a third of bisection's evaluations, and the bracket always holds the crossing.
+    Chandrupatla's method: inverse quadratic interpolation through the bracket's ends and the
+    point dropped last where it is safe (the three values are monotone enough for the parabola
+    to stay inside), bisection where it is not. The speedup falls steeply into SD's own limit,
+    where a secant from that end creeps; the parabola does not, and the bracket always holds
+    the crossing. Every step lands at least half the tolerance inside the bracket, so a step
+    onto the crossing closes it with the next one instead of creeping toward it.
     """
-    stale = 0  # +1: lo moved last, −1: hi did
-    while hi - lo > (tol := BREAK_EVEN_REL_TOL * max(hi, 1e-12)):
-        x = hi - f_hi * (hi - lo) / (f_hi - f_lo) if math.isfinite(f_lo - f_hi) and f_lo != f_hi else math.nan
-        if not lo <= x <= hi:
-            x = 0.5 * (lo + hi)
-        # At least half the tolerance from either end: a step that lands on the crossing closes
-        # the bracket with the next one instead of creeping toward it.
-        x = min(max(x, lo + 0.5 * tol), hi - 0.5 * tol)
+    # a: the newest point, b: the bracket's other end, c: the end a replaced.
+    a, fa, b, fb, c, fc = hi, f_hi, lo, f_lo, lo, f_lo
+    t = f_hi / (f_hi - f_lo) if math.isfinite(f_lo - f_hi) and f_lo != f_hi else 0.5  # the secant
+    while (width := abs(b - a)) > (tol := BREAK_EVEN_REL_TOL * max(a, b, 1e-12)):
+        edge = 0.5 * tol / width
+        x = a + min(max(t, edge), 1.0 - edge) * (b - a)
         fx = f(x)
-        if fx >= 0.0:
-            lo, f_lo = x, fx
-            if stale == 1:
-                f_hi *= 0.5
-            stale = 1
+        if (fx >= 0.0) == (fa >= 0.0):
+            c, fc = a, fa
         else:
-            hi, f_hi = x, fx
-            if stale == -1:
-                f_lo *= 0.5
-            stale = -1
-    return 0.5 * (lo + hi)
+            c, fc, b, fb = b, fb, a, fa
+        a, fa = x, fx
+        t = 0.5
+        if math.isfinite(fa - fb) and math.isfinite(fc - fb) and fa != fb and fc != fb and fc != fa:
+            xi, phi = (a - b) / (c - b), (fa - fb) / (fc - fb)
+            if phi * phi < xi and (1.0 - phi) ** 2 < 1.0 - xi:  # the parabola stays in the bracket
+                t = fa / (fb - fa) * fc / (fb - fc) + (c - a) / (b - a) * fa / (fc - fa) * fb / (fc - fb)
+    return 0.5 * (a + b)
 
 
 @dataclass(frozen=True)

@@ -855,6 +855,34 @@ def test_crossing_is_bracketed_and_cheaper_than_bisection(f, lo, hi, root):
     assert len(calls) <= (halvings if f(lo) != 1.0 else 2 * halvings)
 
 
+def test_thresholds_in_one_bracket_refine_from_each_others_rates(monkeypatch):
+    """Speedup falling steeply into SD's own limit: all three thresholds cross between the same
+    two grid rates. Each later threshold starts from the rates the earlier ones evaluated, so
+    the three cost little more than one (each alone from the grid: 11–12 evaluations)."""
+    from controller import calibration
+    from controller import model as M
+    from controller.shipped import example_calibration_path
+
+    model = calibration.load(example_calibration_path()).latency_model()
+    w = Workload(2000.0, 280.0, 200.0, 500.0)
+    calls = []
+    real = M.ModeCurve.latency_s
+    monkeypatch.setattr(M.ModeCurve, "latency_s", lambda self, lam: calls.append(lam) or real(self, lam))
+    found = break_even_rates(model, 0.7, 2, w)
+    monkeypatch.undo()
+    rates = sorted(be.rate_rps for be in found.values())
+    _, mu_on = stability_limits(model, 0.7, 2, w)
+    assert rates[0] > (1.0 - 1.0 / M.BREAK_EVEN_GRID) * mu_on  # one bracket: the grid's last
+    for th, be in found.items():
+        eps = M.BREAK_EVEN_REL_TOL * be.rate_rps
+        assert (
+            speedup_point(model, be.rate_rps - eps, 0.7, 2, w)
+            >= th
+            > speedup_point(model, be.rate_rps + eps, 0.7, 2, w)
+        )
+    assert len(calls) / 2 <= 20  # two curves a rate; each threshold alone took 11–12
+
+
 def test_a_cycles_speedup_is_the_ratio_of_its_requests_mean_latencies():
     """Equal time at each rate: the requests of the busy phase count by their rate, so a cycle
     whose crest loses with SD can lose overall though SD wins at most of its rates."""
