@@ -14,6 +14,7 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
     python bench/bench_fidelity.py --reload DIR --truth a100-coarse [--seed 11]   # DIR's load tests, this code's
     python bench/bench_fidelity.py --rebench DIR --truth a100-coarse   # this code's bench and calibrate, DIR's load tests
     python bench/bench_fidelity.py --replicate DIR --truth a100-coarse --seeds 101,102 [--from-fraction 0.7]
+    python bench/bench_fidelity.py --refine DIR --truth a100-coarse [--seed 11]   # rates inside the break-evens' brackets
     python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
     python bench/bench_fidelity.py --truth a100-coarse --max-num-batched-tokens 2048   # vLLM's A100 default
 
@@ -30,6 +31,12 @@ from arrival seed to arrival seed at 0.9 of capacity). ``--replicate`` runs DIR'
 on other arrival seeds (each mode's rates from ``--from-fraction`` of its highest) into
 DIR/replicates/seed<S>/load-<workload>.csv; ``--revalidate`` and the rest then pool the runs at
 one rate (controller.validation) and report per rate as well as per run.
+
+A measured break-even is the crossing of the measured speedup interpolated between two rates,
+and a truth's default rates are a whole req/s apart where its break-evens lie (4 and 5 on the
+A100: a fifth of the rate). ``--refine DIR`` runs SD off and the draft length at rates inside
+each bracket wider than 5 % of the rate, on every seed DIR holds, into
+DIR/refined/seed<S>/load-<workload>.csv, which the rest pool like replicates.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from controller import calibration as cal_mod
+from controller.atomic import write_bytes_atomic
 from controller.benchmark.loadtest import rate_rng
 from controller.commands.validate import to_dict
 from controller.errors import InputError
@@ -141,6 +149,16 @@ def main() -> None:
     )
     ap.add_argument("--seeds", default=None, help="with --replicate: arrival seeds, comma-separated")
     ap.add_argument(
+        "--refine",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where DIR's runs measured a speedup crossing 1 between two rates more than"
+        f" {REFINE_STEP:.0%} apart, run SD off and that draft length at rates between them (each seed DIR holds:"
+        " --seed and its replicates) into DIR/refined/seed<S>/, then re-validate DIR: the measured break-even is"
+        " interpolated over a step that short",
+    )
+    ap.add_argument(
         "--from-fraction",
         type=float,
         default=0.0,
@@ -169,6 +187,9 @@ def main() -> None:
             f"replicated the load tests on seeds {args.seeds} in {time.monotonic() - started:.1f} s: {args.replicate}/"
         )
         _summarize(reports, args.replicate)
+        return
+    if args.refine is not None:
+        _redo(args.refine, "refined the break-evens", lambda: _refine(args.refine, TRUTHS[args.truth][0], args.seed))
         return
     if args.reload is not None:
         _redo(args.reload, "re-ran the load tests", lambda: _reload(args.reload, TRUTHS[args.truth][0], args.seed))
@@ -376,6 +397,59 @@ def _replicate(workdir: Path, truth: fidelity.TruthServer, seeds: tuple[int, ...
             out.write_text("\n".join([parts[0][0], *(line for part in parts for line in part[1:])]) + "\n")
 
 
+REFINE_STEP = 0.05  # the widest step between rates, relative to the rate, a measured crossing is interpolated on
+REFINE_MAX_RATES = 4  # rates added inside one bracket
+
+
+def refine_rates(low: float, high: float) -> tuple[float, ...]:
+    """Rates strictly between ``low`` and ``high`` that cut it into steps of at most
+    REFINE_STEP of the rate (at most REFINE_MAX_RATES of them), rounded to 1e-3 req/s."""
+    parts = min(REFINE_MAX_RATES + 1, math.ceil((high - low) / (REFINE_STEP * 0.5 * (low + high)) - 1e-9))
+    return tuple(round(low + (high - low) * j / parts, 3) for j in range(1, parts))
+
+
+def _refine(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
+    """Each measured break-even bracket of ``workdir`` wider than REFINE_STEP: SD off and the
+    draft length at :func:`refine_rates`, on every arrival seed the directory holds, into
+    ``workdir/refined/seed<S>/load-<workload>.csv`` (both modes of a seed in one file, so
+    validate pairs them). Rates already refined are not run again."""
+    csvs, truth = _stored_load_tests(workdir, truth, "refine")
+    seeds = [seed, *sorted(int(p.name.removeprefix("seed")) for p in workdir.glob("replicates/seed*"))]
+    reports = _revalidate(workdir)
+    for path in csvs:
+        workload = path.stem.removeprefix("load-")
+        duration = _test_duration(path, list(csv.DictReader(path.open(encoding="utf-8"))))
+        wanted = {
+            be.draft_length: refine_rates(*be.measured_between_rps)
+            for be in reports[workload].break_even
+            if be.measured_between_rps is not None
+        }
+        for s in seeds:
+            out = workdir / "refined" / f"seed{s}" / path.name
+            done = (
+                {(int(r["draft_length"]), float(r["rate"])) for r in csv.DictReader(out.open(encoding="utf-8"))}
+                if out.exists()
+                else set()
+            )
+            parts = [] if not out.exists() else [out.read_text(encoding="utf-8").splitlines()]
+            with tempfile.TemporaryDirectory() as tmp:
+                for gamma, rates in wanted.items():
+                    for g in (0, gamma):
+                        todo = tuple(r for r in rates if (g, r) not in done)
+                        if not todo:
+                            continue
+                        done |= {(g, r) for r in todo}
+                        load = fidelity.LoadSettings(
+                            rates=todo, duration_s=duration, workloads=(workload,), draft_lengths=(g,), seed=s
+                        )
+                        fidelity.load_test(truth, load, workload, Path(tmp))
+                        parts.append((Path(tmp) / path.name).read_text(encoding="utf-8").splitlines())
+            if parts:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                text = "\n".join([parts[0][0], *(line for part in parts for line in part[1:])]) + "\n"
+                write_bytes_atomic(out, text.encode("utf-8"))
+
+
 def _revalidate(workdir: Path) -> dict[str, ValidationReport]:
     """Each workload's load test (with its replicates on other seeds, if any) against the calibration."""
     model = cal_mod.load(workdir / "calibration.json").latency_model()
@@ -387,7 +461,7 @@ def _revalidate(workdir: Path) -> dict[str, ValidationReport]:
     reports = {}
     for w, p in named:
         rows = cal_mod.read_load_csv(p)[0]
-        for extra in sorted(workdir.glob(f"replicates/seed*/{p.name}")):
+        for extra in sorted([*workdir.glob(f"replicates/seed*/{p.name}"), *workdir.glob(f"refined/seed*/{p.name}")]):
             rows += cal_mod.read_load_csv(extra)[0]
         reports[w] = validate(model, rows)
     return reports

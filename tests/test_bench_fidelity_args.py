@@ -153,3 +153,53 @@ def test_rebench_needs_load_tests_to_revalidate(tmp_path):
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1] == f"bench_fidelity: {tmp_path}: no load-*.csv to re-validate"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "rates"),
+    [
+        (4.0, 5.0, (4.2, 4.4, 4.6, 4.8)),  # a fifth of the rate: steps of 0.2, 4.3–4.8 % of it
+        (5.0, 5.5, (5.25,)),
+        (10.0, 12.0, (10.5, 11.0, 11.5)),
+        (1.0, 2.0, (1.2, 1.4, 1.6, 1.8)),  # two thirds of the rate: no more than four rates
+        (4.5, 4.7, ()),  # already within 5 %
+    ],
+)
+def test_refine_rates_cut_a_bracket_into_steps_of_at_most_five_percent(low, high, rates):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_fidelity import refine_rates
+
+    assert refine_rates(low, high) == rates
+
+
+def test_refine_runs_both_modes_inside_the_measured_bracket_once(tmp_path):
+    # A100, 2048-token budget, `code`: SD at γ = 4 is ahead at 5 req/s and saturated at 5.5.
+    work = tmp_path / "runs"
+    work.mkdir()
+    stored = ROOT / "bench/results/fidelity-a100-coarse-2k"
+    (work / "calibration.json").write_bytes((stored / "calibration.json").read_bytes())
+    lines = (stored / "load-code.csv").read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [ln for ln in lines[1:] if ln.startswith(("5,off,0,", "5.5,off,0,", "5,on,4,", "5.5,on,4,"))]
+    assert len(kept) == 4
+    (work / "load-code.csv").write_text(lines[0] + "".join(kept), encoding="utf-8")
+    run = bench_fidelity("--refine", str(work), "--truth", "a100-coarse")
+    assert run.returncode == 0, run.stderr
+    refined = work / "refined/seed7/load-code.csv"
+    rows = refined.read_text(encoding="utf-8").splitlines()
+    assert rows[0] == lines[0].strip()
+    assert sorted(r.split(",")[:3] for r in rows[1:]) == [["5.25", "off", "0"], ["5.25", "on", "4"]]
+    (be,) = json.loads((work / "fidelity.json").read_text())["code"]["break_even"]
+    assert be["draft_length"] == 4 and be["measured_between_rps"] in ([5.0, 5.25], [5.25, 5.5])
+    assert "break-even γ=4" in run.stdout and f"(between {be['measured_between_rps'][0]:g} and" in run.stdout
+    before = refined.read_bytes()
+    again = bench_fidelity("--refine", str(work), "--truth", "a100-coarse")  # nothing left to run
+    assert again.returncode == 0, again.stderr
+    assert refined.read_bytes() == before
+
+
+def test_refine_needs_load_tests(tmp_path):
+    (tmp_path / "calibration.json").write_bytes((ROOT / "bench/results/fidelity-h100/calibration.json").read_bytes())
+    run = bench_fidelity("--refine", str(tmp_path), "--truth", "h100")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == f"bench_fidelity: {tmp_path}: no load-*.csv to refine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json"]
