@@ -431,7 +431,8 @@ def _refine(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
                 if out.exists()
                 else set()
             )
-            parts = [] if not out.exists() else [out.read_text(encoding="utf-8").splitlines()]
+            parts = [out.read_text(encoding="utf-8").splitlines()] if out.exists() else []
+            kept = len(parts)
             with tempfile.TemporaryDirectory() as tmp:
                 for gamma, rates in wanted.items():
                     for g in (0, gamma):
@@ -444,7 +445,7 @@ def _refine(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
                         )
                         fidelity.load_test(truth, load, workload, Path(tmp))
                         parts.append((Path(tmp) / path.name).read_text(encoding="utf-8").splitlines())
-            if parts:
+            if len(parts) > kept:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 text = "\n".join([parts[0][0], *(line for part in parts for line in part[1:])]) + "\n"
                 write_bytes_atomic(out, text.encode("utf-8"))
