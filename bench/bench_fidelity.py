@@ -59,7 +59,7 @@ from controller.commands.validate import to_dict
 from controller.errors import InputError
 from controller.sim import fidelity, gpu
 from controller.sim.truth_workloads import MIXES
-from controller.validation import ValidationReport, validate
+from controller.validation import BREAK_EVEN_STEP, ValidationReport, validate
 
 L40S_RATES = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 3, 4, 4.5, 5, 5.5, 6)
 TRUTHS = {
@@ -154,7 +154,7 @@ def main() -> None:
         default=None,
         metavar="DIR",
         help="where DIR's runs measured a speedup crossing 1 between two rates more than"
-        f" {REFINE_STEP:.0%} apart, run SD off and that draft length at rates between them (each seed DIR holds:"
+        f" {BREAK_EVEN_STEP:.0%} apart, run SD off and that draft length at rates between them (each seed DIR holds:"
         " --seed and its replicates) into DIR/refined/seed<S>/, then re-validate DIR: the measured break-even is"
         " interpolated over a step that short",
     )
@@ -397,33 +397,18 @@ def _replicate(workdir: Path, truth: fidelity.TruthServer, seeds: tuple[int, ...
             out.write_text("\n".join([parts[0][0], *(line for part in parts for line in part[1:])]) + "\n")
 
 
-REFINE_STEP = 0.05  # the widest step between rates, relative to the rate, a measured crossing is interpolated on
-REFINE_MAX_RATES = 4  # rates added inside one bracket
-
-
-def refine_rates(low: float, high: float) -> tuple[float, ...]:
-    """Rates strictly between ``low`` and ``high`` that cut it into steps of at most
-    REFINE_STEP of the rate (at most REFINE_MAX_RATES of them), rounded to 1e-3 req/s."""
-    parts = min(REFINE_MAX_RATES + 1, math.ceil((high - low) / (REFINE_STEP * 0.5 * (low + high)) - 1e-9))
-    return tuple(round(low + (high - low) * j / parts, 3) for j in range(1, parts))
-
-
 def _refine(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
-    """Each measured break-even bracket of ``workdir`` wider than REFINE_STEP: SD off and the
-    draft length at :func:`refine_rates`, on every arrival seed the directory holds, into
-    ``workdir/refined/seed<S>/load-<workload>.csv`` (both modes of a seed in one file, so
-    validate pairs them). Rates already refined are not run again."""
+    """Each measured break-even bracket of ``workdir`` wider than BREAK_EVEN_STEP: SD off and
+    the draft length at its ``refine_rps`` (validation.refine_rates), on every arrival seed the
+    directory holds, into ``workdir/refined/seed<S>/load-<workload>.csv`` (both modes of a seed
+    in one file, so validate pairs them). Rates already refined are not run again."""
     csvs, truth = _stored_load_tests(workdir, truth, "refine")
     seeds = [seed, *sorted(int(p.name.removeprefix("seed")) for p in workdir.glob("replicates/seed*"))]
     reports = _revalidate(workdir)
     for path in csvs:
         workload = path.stem.removeprefix("load-")
         duration = _test_duration(path, list(csv.DictReader(path.open(encoding="utf-8"))))
-        wanted = {
-            be.draft_length: refine_rates(*be.measured_between_rps)
-            for be in reports[workload].break_even
-            if be.measured_between_rps is not None
-        }
+        wanted = {be.draft_length: be.refine_rps for be in reports[workload].break_even if be.refine_rps}
         for s in seeds:
             out = workdir / "refined" / f"seed{s}" / path.name
             done = (

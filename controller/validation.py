@@ -205,6 +205,26 @@ class BreakEvenCheck:
     # crossed, or crossed below the lowest rate measured.
     measured_between_rps: tuple[float, float] | None = None
 
+    @property
+    def refine_rps(self) -> tuple[float, ...]:
+        """Rates to load-test (both modes) to pin the measured crossing: :func:`refine_rates`
+        inside its bracket; none when the bracket is already that narrow or there is none."""
+        return () if self.measured_between_rps is None else refine_rates(*self.measured_between_rps)
+
+
+# A measured crossing interpolated over a step wider than this share of the rate is soft: the
+# speedup bends between the rates (it falls steeply into SD's limit), and a straight line
+# between runs a fifth of the rate apart can miss the crossing by several per cent.
+BREAK_EVEN_STEP = 0.05
+MAX_REFINE_RATES = 4
+
+
+def refine_rates(low: float, high: float) -> tuple[float, ...]:
+    """Rates strictly between ``low`` and ``high`` that cut it into steps of at most
+    BREAK_EVEN_STEP of the rate (at most MAX_REFINE_RATES of them), rounded to 1e-3 req/s."""
+    parts = min(MAX_REFINE_RATES + 1, math.ceil((high - low) / (BREAK_EVEN_STEP * 0.5 * (low + high)) - 1e-9))
+    return tuple(round(low + (high - low) * j / parts, 3) for j in range(1, parts))
+
 
 @dataclass(frozen=True)
 class ValidationReport:

@@ -155,23 +155,6 @@ def test_rebench_needs_load_tests_to_revalidate(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(
-    ("low", "high", "rates"),
-    [
-        (4.0, 5.0, (4.2, 4.4, 4.6, 4.8)),  # a fifth of the rate: steps of 0.2, 4.3–4.8 % of it
-        (5.0, 5.5, (5.25,)),
-        (10.0, 12.0, (10.5, 11.0, 11.5)),
-        (1.0, 2.0, (1.2, 1.4, 1.6, 1.8)),  # two thirds of the rate: no more than four rates
-        (4.5, 4.7, ()),  # already within 5 %
-    ],
-)
-def test_refine_rates_cut_a_bracket_into_steps_of_at_most_five_percent(low, high, rates):
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_fidelity import refine_rates
-
-    assert refine_rates(low, high) == rates
-
-
 def test_refine_runs_both_modes_inside_the_measured_bracket_once(tmp_path):
     # A100, 2048-token budget, `code`: SD at γ = 4 is ahead at 5 req/s and saturated at 5.5.
     work = tmp_path / "runs"

@@ -31,7 +31,7 @@ from controller.model import (
     predict_point,
 )
 from controller.synthetic import bench_rows
-from controller.validation import RowCheck, validate
+from controller.validation import RowCheck, refine_rates, validate
 
 MODEL = LatencyModel(target=StepCost(0.010, 0.001), draft=StepCost(0.002, 0.0001), max_num_seqs=64)
 GAMMA = 4
@@ -385,9 +385,24 @@ def test_measured_break_even_interpolates_the_first_crossing():
     # Speedup 1.1 at 2, 0.9 at 3: crosses 1 halfway. The later recovery above 1 is ignored.
     assert be.measured_rps == pytest.approx(2.5, rel=1e-12)
     assert be.measured_between_rps == (2.0, 3.0)
+    assert be.refine_rps == (2.2, 2.4, 2.6, 2.8)  # 2 and 3 are 40 % apart: four rates between, at most
     assert be.predicted_rps == pytest.approx(predicted_break_even(), rel=1e-9)
     assert 2.7 < be.predicted_rps < 2.95  # pinned: the draft's first pass covers the γ+1 verified tokens
     assert be.error == pytest.approx((be.predicted_rps - 2.5) / 2.5, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "rates"),
+    [
+        (4.0, 5.0, (4.2, 4.4, 4.6, 4.8)),  # a fifth of the rate: steps of 0.2, 4.3–4.8 % of it
+        (5.0, 5.5, (5.25,)),
+        (10.0, 12.0, (10.5, 11.0, 11.5)),
+        (1.0, 2.0, (1.2, 1.4, 1.6, 1.8)),  # two thirds of the rate: no more than four rates
+        (4.5, 4.7, ()),  # already within 5 %
+    ],
+)
+def test_refine_rates_cut_a_bracket_into_steps_of_at_most_five_percent(low, high, rates):
+    assert refine_rates(low, high) == rates
 
 
 def test_measured_break_even_ignores_row_order():
@@ -558,6 +573,7 @@ def test_cli_json_report(monkeypatch, capsys, calibration_file, load_csv):
     # predicted one at each rate: SD ahead at 2 req/s and behind at 3 on this calibration.
     assert 2.0 < be["measured_rps"] < 3.0
     assert be["measured_between_rps"] == [2.0, 3.0]
+    assert be["refine_rps"] == [2.2, 2.4, 2.6, 2.8]  # what to run to pin the crossing
 
 
 def test_cli_plot_writes_a_png(monkeypatch, capsys, tmp_path, calibration_file, load_csv):
@@ -576,6 +592,7 @@ def test_cli_table_output(monkeypatch, capsys, calibration_file, load_csv):
     assert "saturated (flagged)" in out
     assert "every saturated run flagged: yes" in out
     assert "2–3" in out  # the measured rates the break-even lies between
+    assert "2.2,2.4,2.6,2.8" in out  # and the rates that would pin it, as a --rates list
 
 
 def test_cli_pools_the_runs_of_several_files(monkeypatch, capsys, tmp_path, calibration_file, load_csv):

@@ -112,6 +112,7 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
                 "measured_rps": b.measured_rps,
                 "measured_between_rps": None if b.measured_between_rps is None else list(b.measured_between_rps),
                 "error": b.error,
+                "refine_rps": list(b.refine_rps),
             }
             for b in report.break_even
         ],
@@ -184,8 +185,8 @@ def print_report(report: ValidationReport, console: Console, sources: Sequence[s
     console.print(m)
     if report.break_even:
         b = Table(title="break-even rate (speedup = 1)")
-        for col in ("γ", "predicted req/s", "measured req/s", "measured between", "error"):
-            b.add_column(col, justify="right")
+        for col in ("γ", "predicted req/s", "measured req/s", "measured between", "error", "to pin it, also run"):
+            b.add_column(col, justify="right", no_wrap=col.startswith("to pin"))  # one --rates list
         for be in report.break_even:
             b.add_row(
                 str(be.draft_length),
@@ -193,6 +194,7 @@ def print_report(report: ValidationReport, console: Console, sources: Sequence[s
                 "not crossed" if be.measured_rps is None else f"{be.measured_rps:.2f}",
                 "-" if be.measured_between_rps is None else "{:g}–{:g}".format(*be.measured_between_rps),
                 _pct(be.error),
+                ",".join(f"{r:g}" for r in be.refine_rps) or "-",  # a --rates list for bench --load-test
             )
         console.print(b)
     overall = report.mean_abs_error
