@@ -855,6 +855,33 @@ def test_crossing_is_bracketed_and_cheaper_than_bisection(f, lo, hi, root):
     assert len(calls) <= (halvings if f(lo) != 1.0 else 2 * halvings)
 
 
+def test_crossing_stays_within_twice_bisection_on_bent_monotone_curves():
+    """Decreasing piecewise-linear curves whose pieces differ in slope by up to seven orders of
+    magnitude (a speedup flat for a while, then falling into SD's limit): the root is found to
+    the tolerance inside the bracket, never with more than twice bisection's evaluations (the
+    Illinois method this replaced took up to 5.8 times as many on such curves)."""
+    from controller.model import BREAK_EVEN_REL_TOL, _crossing
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        xs = np.concatenate(([0.0], np.sort(rng.uniform(0.0, 10.0, rng.integers(2, 13))), [10.0]))
+        ys = np.sort(rng.uniform(-1.0, 1.0, xs.size) * 10.0 ** rng.uniform(-6.0, 1.0, xs.size))[::-1]
+        if not ys[0] >= 0.0 > ys[-1]:
+            continue
+        calls = []
+
+        def f(x, xs=xs, ys=ys, calls=calls):
+            calls.append(x)
+            return float(np.interp(x, xs, ys))
+
+        x = _crossing(f, 0.0, 10.0, float(ys[0]), float(ys[-1]))
+        tol = BREAK_EVEN_REL_TOL * x
+        assert f(x - tol) >= 0.0 > f(x + tol) or abs(f(x)) < 1e-12
+        calls.pop(), calls.pop()
+        assert all(0.0 < c < 10.0 for c in calls)
+        assert len(calls) <= 2 * math.ceil(math.log2(10.0 / tol))
+
+
 def test_thresholds_in_one_bracket_refine_from_each_others_rates(monkeypatch):
     """Speedup falling steeply into SD's own limit: all three thresholds cross between the same
     two grid rates. Each later threshold starts from the rates the earlier ones evaluated, so
