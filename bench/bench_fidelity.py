@@ -394,7 +394,12 @@ def _replicate(workdir: Path, truth: fidelity.TruthServer, seeds: tuple[int, ...
                     parts.append((Path(tmp) / path.name).read_text(encoding="utf-8").splitlines())
             out = workdir / "replicates" / f"seed{seed}" / path.name
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text("\n".join([parts[0][0], *(line for part in parts for line in part[1:])]) + "\n")
+            out.write_text(_joined_csv(parts))
+
+
+def _joined_csv(parts: list[list[str]]) -> str:
+    """Load-test CSVs' lines as one file: the first's header, then every file's rows."""
+    return "\n".join([parts[0][0], *(line for part in parts for line in part[1:])]) + "\n"
 
 
 def _refine(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
@@ -432,8 +437,7 @@ def _refine(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
                         parts.append((Path(tmp) / path.name).read_text(encoding="utf-8").splitlines())
             if len(parts) > kept:
                 out.parent.mkdir(parents=True, exist_ok=True)
-                text = "\n".join([parts[0][0], *(line for part in parts for line in part[1:])]) + "\n"
-                write_bytes_atomic(out, text.encode("utf-8"))
+                write_bytes_atomic(out, _joined_csv(parts).encode("utf-8"))
 
 
 def _revalidate(workdir: Path) -> dict[str, ValidationReport]:
