@@ -45,6 +45,7 @@ from controller.acceptance import accepted_length as _accepted_length
 from controller.queueing import (
     MAX_STATES,
     cumulative_log_rates,
+    inverse_rates,
     mean_time_in_system,
     mean_time_in_system_many,
     mean_time_in_window,
@@ -708,7 +709,12 @@ class ModeCurve:
             return math.inf
         if rate_rps <= 0.0:
             return self.alone_s
-        return mean_time_in_system(rate_rps, self.cum_log_rates, limit)
+        return mean_time_in_system(rate_rps, self.cum_log_rates, limit, self.inverse_rates)
+
+    @functools.cached_property
+    def inverse_rates(self) -> np.ndarray | None:
+        """1/h(n) of the chain, taken once: every evaluation after multiplies, not exponentiates."""
+        return inverse_rates(self.cum_log_rates, self.stability_limit_rps)
 
     @property
     def alone_s(self) -> float:
@@ -720,7 +726,9 @@ class ModeCurve:
         rates = np.asarray(rates_rps, dtype=float)
         limit = self.stability_limit_rps
         live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
-        t = mean_time_in_system_many(np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit)
+        t = mean_time_in_system_many(
+            np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit, self.inverse_rates
+        )
         out = np.where(live, t, np.where(rates > 0.0, math.inf, self.alone_s))
         return out.tolist()
 

@@ -28,6 +28,7 @@ MAX_STATES = 4096  # enumerated states; past them (or the bound) the queue tail 
 _STATES = np.arange(0.0, MAX_STATES + 1.0)  # n = 0, 1, 2, …: sliced, never rebuilt per call
 _WEIGHTS = np.stack((np.ones_like(_STATES), _STATES))  # Σ p and Σ n·p in one product
 _MAX = np.maximum.reduce
+_PRODUCT = np.multiply.accumulate
 _VIEWS: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per chain length: slicing anew cost ~0.5 µs a call
 
 
@@ -64,16 +65,45 @@ def mean_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) 
     return rate_rps * mean_time_in_system(rate_rps, cum_log_rates, tail_rps)
 
 
-def mean_time_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) -> float:
+# e^700 < 1.8e308: the running product's largest term stays below it even times 4096 states.
+_MAX_LOG_PRODUCT = 700.0 - math.log(MAX_STATES)
+
+
+def inverse_rates(cum_log_rates: np.ndarray, tail_rps: float) -> np.ndarray | None:
+    """1/h(n), n = 1..N, from ``cum_log_rates``: what :func:`mean_time_in_system` multiplies
+    instead of exponentiating, at every rate below ``tail_rps``; a curve takes them once and
+    evaluates at many rates. None where the product could overflow below ``tail_rps`` (its
+    largest term, λⁿ⁻¹/Π h at the mode, grows with λ: past e^700 with hundreds in the server).
+    """
+    top = cum_log_rates.size - 1
+    if top == 0 or not 0.0 < tail_rps < math.inf:
+        return None
+    states, _ = _VIEWS.get(top) or _views(top)
+    if float(_MAX(states * math.log(tail_rps) - cum_log_rates[1:])) > _MAX_LOG_PRODUCT:
+        return None
+    return np.exp(-np.diff(cum_log_rates))
+
+
+def mean_time_in_system(
+    rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float, inverse: np.ndarray | None = None
+) -> float:
     """E[n]/λ (Little) for a rate > 0; +inf at or past ``tail_rps``.
 
     Summed as Σ n·λⁿ⁻¹/Πh over Σ λⁿ/Πh: at a vanishing rate E[n] underflows long before the
-    latency it stands for, so the 1/λ is taken inside the sums (in log space).
+    latency it stands for, so the 1/λ is taken inside the sums. With ``inverse``
+    (:func:`inverse_rates`) the terms are a running product of λ/h(n): no exponentials, which
+    were most of the sums' cost; without, in log space.
     """
     if rate_rps >= tail_rps:
         return math.inf
     top = cum_log_rates.size - 1
     states, weights = _VIEWS.get(top) or _views(top)
+    if inverse is not None:
+        q = inverse * rate_rps  # λ/h(n), the first 1/h(1): q(n) = p(n)/λ = λⁿ⁻¹/Π h
+        q[0] = inverse[0]
+        _PRODUCT(q, out=q)
+        z, first = (weights @ q).tolist()
+        return _with_tail(1.0 + rate_rps * z, first, q.item(-1), top, rate_rps, tail_rps)
     log_rate = math.log(rate_rps)
     log_q = states * log_rate  # (n − 1)·ln λ − C[n], n = 1..top: p(n)/λ
     log_q -= cum_log_rates[1:]
@@ -86,7 +116,9 @@ def mean_time_in_system(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: fl
     return _with_tail(math.exp(-shift) + rate_rps * z, first, q.item(-1), top, rate_rps, tail_rps)
 
 
-def mean_time_in_system_many(rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float) -> np.ndarray:
+def mean_time_in_system_many(
+    rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float, inverse: np.ndarray | None = None
+) -> np.ndarray:
     """:func:`mean_time_in_system` at many rates > 0 in one pass: the same sums, one row per rate."""
     rates = np.asarray(rates_rps, dtype=float)
     out = np.full(rates.shape, math.inf)
@@ -94,6 +126,13 @@ def mean_time_in_system_many(rates_rps: np.ndarray, cum_log_rates: np.ndarray, t
     if ok.any():
         lam, top = rates[ok], cum_log_rates.size - 1
         states, weights = _VIEWS.get(top) or _views(top)
+        if inverse is not None:
+            q = lam[:, None] * inverse
+            q[:, 0] = inverse[0]
+            _PRODUCT(q, axis=1, out=q)
+            z, first = weights @ q.T
+            out[ok] = _with_tail(1.0 + lam * z, first, q[:, -1], top, lam, tail_rps)
+            return out
         log_rate = np.log(lam)
         log_q = log_rate[:, None] * states - cum_log_rates[1:]
         shift = np.maximum(_MAX(log_q, axis=1) + log_rate, 0.0)

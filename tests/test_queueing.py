@@ -16,8 +16,10 @@ import pytest
 from controller import queueing
 from controller.queueing import (
     cumulative_log_rates,
+    inverse_rates,
     mean_in_system,
     mean_time_in_system,
+    mean_time_in_system_many,
     mean_time_in_window,
     stationary_law,
 )
@@ -35,7 +37,16 @@ def erlang_c_time_in_system_s(servers: int, rate_rps: float, service_s: float) -
 
 
 def chain_time_in_system_s(rates: np.ndarray, rate_rps: float, limit_rps: float) -> float:
-    return mean_in_system(rate_rps, cumulative_log_rates(rates), limit_rps) / rate_rps
+    """The chain's time in system, summed in log space and, where it cannot overflow, as the
+    running product a curve evaluates (the two must agree)."""
+    c = cumulative_log_rates(rates)
+    logs = mean_in_system(rate_rps, c, limit_rps) / rate_rps
+    inverse = inverse_rates(c, limit_rps)
+    if inverse is not None:
+        assert mean_time_in_system(rate_rps, c, limit_rps, inverse) == pytest.approx(logs, rel=1e-12)
+        many = mean_time_in_system_many(np.array([rate_rps, rate_rps]), c, limit_rps, inverse)
+        np.testing.assert_allclose(many, logs, rtol=1e-12)
+    return logs
 
 
 def test_erlang_c_reference_matches_mm1():
@@ -158,12 +169,47 @@ def test_a_throughput_that_flattens_waits_more_than_its_fixed_point():
 @pytest.mark.parametrize("rate", [5e-324, 1e-300, 1e-12])
 def test_a_vanishing_rate_keeps_the_time_of_a_request_alone(rate):
     # E[n] underflows long before the latency it stands for: the time is summed with 1/λ inside.
-    from controller.queueing import mean_time_in_system, mean_time_in_system_many
-
     h = np.arange(1, 9) / (0.5 + 0.1 * np.arange(8))
     c = cumulative_log_rates(h)
-    assert mean_time_in_system(rate, c, 100.0) == pytest.approx(0.5, rel=1e-9)
-    assert mean_time_in_system_many(np.array([rate]), c, 100.0)[0] == pytest.approx(0.5, rel=1e-9)
+    inverse = inverse_rates(c, 100.0)
+    assert inverse is not None
+    for inv in (None, inverse):
+        assert mean_time_in_system(rate, c, 100.0, inv) == pytest.approx(0.5, rel=1e-9)
+        assert mean_time_in_system_many(np.array([rate]), c, 100.0, inv)[0] == pytest.approx(0.5, rel=1e-9)
+
+
+def test_the_running_product_is_the_log_space_sum_on_rising_and_stepped_rates():
+    # A curve's rates: rising to a peak, then flat (the running best), or a staircase that dips.
+    gen = np.random.default_rng(7)
+    for _ in range(40):
+        states = int(gen.integers(1, 600))
+        h = np.cumsum(gen.uniform(0.0, 2.0, states)) + gen.uniform(0.01, 1.0)
+        monotone = bool(gen.integers(2))
+        if not monotone:
+            h *= gen.uniform(0.9, 1.0, states)
+        c = cumulative_log_rates(h, monotone=monotone)
+        limit = float(np.exp(np.diff(c)).max())
+        inverse = inverse_rates(c, limit)
+        assert inverse is not None
+        rates = limit * np.array([1e-6, 0.01, 0.3, 0.7, 0.95, 0.999])
+        logs = mean_time_in_system_many(rates, c, limit)
+        np.testing.assert_allclose(mean_time_in_system_many(rates, c, limit, inverse), logs, rtol=1e-11)
+        for rate, want in zip(rates, logs, strict=True):
+            assert mean_time_in_system(float(rate), c, limit, inverse) == pytest.approx(want, rel=1e-11)
+
+
+def test_no_running_product_where_it_could_overflow():
+    # M/M/∞ with 4,000 slots near its limit holds ~4,000 requests: λⁿ/Π h peaks past e^700,
+    # which a product of floats cannot hold; the curve sums in log space instead.
+    h = np.arange(1, 4001) * 0.5
+    c = cumulative_log_rates(h)
+    assert inverse_rates(c, float(h[-1])) is None
+    assert inverse_rates(c, 50.0) is not None  # ~100 in the server: e^~100 at the mode
+    # ~2,000 in the server: the product's terms overflow (inf/inf), the log-space sum holds.
+    with np.errstate(over="ignore", invalid="ignore"):
+        product = mean_time_in_system(1000.0, c, float(h[-1]), np.exp(-np.diff(c)))
+    assert not math.isfinite(product)
+    assert mean_time_in_system(1000.0, c, float(h[-1])) == pytest.approx(2.0, rel=1e-9)
 
 
 # ------------------------------------------------------------------------------ a finite test
