@@ -726,9 +726,7 @@ class ModeCurve:
         rates = np.asarray(rates_rps, dtype=float)
         limit = self.stability_limit_rps
         live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
-        t = mean_time_in_system_many(
-            np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit, self.inverse_rates
-        )
+        t = mean_time_in_system_many(np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit, self.inverse_rates)
         out = np.where(live, t, np.where(rates > 0.0, math.inf, self.alone_s))
         return out.tolist()
 
