@@ -35,8 +35,10 @@ import bisect
 import functools
 import math
 import operator
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -915,11 +917,37 @@ def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float, chunked
     return lo
 
 
-@functools.lru_cache(maxsize=4096)
-def mode_curve(
+class _ChainTerms(NamedTuple):
+    """What one curve's birth–death chain is built from (:func:`_chain_rates`), and what the
+    curve keeps of its build for the rest (:func:`_finish_curve`)."""
+
+    top: int  # states up to the batch bound
+    segments: list
+    waits: list
+    ends: list
+    lines: list
+    sharing: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    stair_s: np.ndarray | None
+    peak_batch: float
+    prompt_q: float | None
+    chunking: tuple[np.ndarray, np.ndarray] | None
+    steps: float
+    prompt_tread: float
+    # the rest of the build
+    terms: _ModeTerms
+    bound: float
+    kv_bound: bool
+    reach: list
+    peak_rps: float
+    gen_tokens: float
+    mean_prompt: float
+    q: float
+
+
+def _chain_terms(
     model: LatencyModel, workload: Workload, sd: bool, accepted_length: float, draft_length: float
-) -> ModeCurve:
-    """Build (and cache) the exact rate curve of one mode."""
+) -> _ChainTerms:
+    """A curve's build up to its chain: the segments of T(B), the prompts' terms per state."""
     terms = _mode_terms(model, sd, draft_length)
     ctx, mean_p, pairs, nodes = workload.curve_terms()
     bound = float(model.max_num_seqs)
@@ -951,29 +979,42 @@ def mode_curve(
     steps = (g - 1.0) / accepted_length
     q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
     segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
-    sharing = _sharing_hinges(terms, nodes, bound) if p > 0 else None
     table = model.verify_staircase_on if sd else model.decode_staircase_off
-    stair = _staircase(table, steps, bound, k) if table else None  # k = 1 token a sequence without SD
     budget = model.max_num_batched_tokens
-    chunks = chunking_excess(terms, nodes, workload.prompt_tokens_std, budget, bound) if p > 0 and budget else None
-    chain, gained = _chain_rates(
+    return _ChainTerms(
+        min(math.floor(bound), MAX_STATES),
         segments,
         waits,
         ends,
-        bound,
         lines,
-        sharing,
-        stair,
+        _sharing_hinges(terms, nodes, bound) if p > 0 else None,
+        _staircase(table, steps, bound, k) if table else None,  # k = 1 token a sequence without SD
         peak_b,
         q if p > 0 else None,
-        chunks,
+        chunking_excess(terms, nodes, workload.prompt_tokens_std, budget, bound) if p > 0 and budget else None,
         steps,
         prompt_step_tread(model, draft_length if sd else 0.0),
+        terms,
+        bound,
+        kv_bound,
+        reach,
+        peak_h,
+        g,
+        mean_p,
+        q,
     )
+
+
+def _finish_curve(
+    model: LatencyModel, workload: Workload, c: _ChainTerms, chain: np.ndarray, gained: float
+) -> ModeCurve:
+    """The curve from its chain: the limit and what sets it."""
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
     # found rises with the best state's (the chain's tail is served at the limit), and moves
     # with the staircase's tread at the batch it runs.
-    limit, thrash, fill = peak_h * gained, math.inf, math.nan
+    bound, kv_bound, peak_b, lines, ends, steps = c.bound, c.kv_bound, c.peak_batch, c.lines, c.ends, c.steps
+    p, budget = workload.computed_prompt_tokens, model.max_num_batched_tokens
+    limit, thrash, fill = c.peak_rps * gained, math.inf, math.nan
     reason = "throughput_peak" if peak_b < bound * (1.0 - 1e-9) else "kv_cache" if kv_bound else "max_num_seqs"
     if kv_bound and p > 0:
         thrash = _kv_thrash_rps(
@@ -982,19 +1023,34 @@ def mode_curve(
             steps,
             chain,
             bound,
-            mean_p,
-            g,
-            0.0 if chunks is None else float(chunks[0][-1]),
+            c.mean_prompt,
+            c.gen_tokens,
+            0.0 if c.chunking is None else float(c.chunking[0][-1]),
             model.prefix_caching,
-            0.0 if model.prefix_caching or not budget else _stuck_s(terms, workload, budget, bound, steps),
+            0.0 if model.prefix_caching or not budget else _stuck_s(c.terms, workload, budget, bound, steps),
         )
         if thrash < limit:
             limit, fill, peak_b, reason = thrash, limit, bound, "kv_recompute"
     curve = ModeCurve(
-        segments, bound, peak_b, limit, lines, ends, reach, steps, k, waits, chain, gained, thrash, reason, fill, q
+        c.segments,
+        bound,
+        peak_b,
+        limit,
+        lines,
+        ends,
+        c.reach,
+        steps,
+        c.terms.step_tokens,
+        c.waits,
+        chain,
+        gained,
+        thrash,
+        reason,
+        fill,
+        c.q,
     )
     if budget is not None and p > 0:
-        limit = _budget_limit(curve, float(budget), p, None if chunks is None else chunks[0])
+        limit = _budget_limit(curve, float(budget), p, None if c.chunking is None else c.chunking[0])
         if limit < curve.stability_limit_rps:
             curve = replace(
                 curve,
@@ -1008,9 +1064,83 @@ def mode_curve(
     return curve
 
 
+CurveKey = tuple[bool, float, float]  # (SD on, accepted tokens per step, draft length)
+
+
+def build_curves(model: LatencyModel, workload: Workload, keys: Sequence[CurveKey]) -> list[ModeCurve]:
+    """The exact rate curves of several modes (or draft lengths) of one workload, uncached.
+
+    Each chain is ~50 numpy operations over its states, and their cost is the calls, not the
+    few hundred elements: curves whose chains have the same states (every draft length of one
+    server; SD off too, where the KV cache does not bound the batch) are built as the rows of
+    one array, the same arithmetic per element as one at a time.
+    """
+    parts = [_chain_terms(model, workload, *key) for key in keys]
+    chains: list[tuple[np.ndarray, float] | None] = [None] * len(parts)
+    groups: dict[tuple[int, bool, bool], list[int]] = {}
+    for i, c in enumerate(parts):
+        groups.setdefault((c.top, c.stair_s is None, c.prompt_q is None), []).append(i)
+    for members in groups.values():
+        for i, chain in zip(members, _chain_rates([parts[i] for i in members]), strict=True):
+            chains[i] = chain
+    return [_finish_curve(model, workload, c, *chain) for c, chain in zip(parts, chains, strict=True)]  # type: ignore[misc]
+
+
+class _CurveCache:
+    """The curves built, per (model, workload, mode, accepted length, draft length): least
+    recently used out first, as functools.lru_cache, but filled a batch at a time too."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._curves: OrderedDict[tuple, ModeCurve] = OrderedDict()
+
+    def __call__(
+        self, model: LatencyModel, workload: Workload, sd: bool, accepted_length: float, draft_length: float
+    ) -> ModeCurve:
+        """Build (and cache) the exact rate curve of one mode."""
+        key = (model, workload, sd, accepted_length, draft_length)
+        curve = self._curves.get(key)
+        if curve is None:
+            self.fill(model, workload, [(sd, accepted_length, draft_length)])
+            return self._curves[key]
+        self._curves.move_to_end(key)
+        return curve
+
+    def fill(self, model: LatencyModel, workload: Workload, keys: Iterable[CurveKey]) -> None:
+        """Build the curves of ``keys`` not cached yet, in one batch (:func:`build_curves`)."""
+        missing = list(dict.fromkeys(k for k in keys if (model, workload, *k) not in self._curves))
+        if not missing:
+            return
+        for key, curve in zip(missing, build_curves(model, workload, missing), strict=True):
+            self._curves[(model, workload, *key)] = curve
+        while len(self._curves) > self.maxsize:
+            self._curves.popitem(last=False)
+
+    def cache_clear(self) -> None:
+        self._curves.clear()
+
+
+mode_curve = _CurveCache(maxsize=4096)
+
+
 _CHAIN_N = np.arange(1.0, MAX_STATES + 1.0)  # n = 1, 2, …; sliced per curve, never rebuilt
 _OTHERS = _CHAIN_N - 1.0  # B = n − 1 others
 _OTHERS_4 = 4.0 * _OTHERS
+
+
+@functools.lru_cache(maxsize=64)
+def _state_rows(rows: int, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(n, B, 4·B) over the states of ``rows`` curves built together, each row the same (never
+    written to): numpy's fast loops take operands of one shape, and broadcasting one row over
+    several cost as much as the arithmetic."""
+    base = (_CHAIN_N[:top], _OTHERS[:top], _OTHERS_4[:top])
+    if rows == 1:
+        return base
+    a, b, c = (np.ascontiguousarray(np.broadcast_to(x, (rows, top))) for x in base)
+    return a, b, c
+
+
+_MAX = np.maximum.reduce  # ndarray.max goes through a Python wrapper
 
 
 def _prompt_cost_q(terms: _ModeTerms, nodes: tuple[tuple[float, float], ...]) -> float:
@@ -1021,7 +1151,15 @@ def _prompt_cost_q(terms: _ModeTerms, nodes: tuple[tuple[float, float], ...]) ->
     if terms.prefill is not None:
         costs = [(w, terms.prefill.scalar(x, x) - terms.prefill.intercept_s) for w, x in nodes]
     else:
-        costs = [(w, sum(c.scalar(k + x, pairs=0.5 * x * x) - c.scalar(k) for c in terms.priced)) for w, x in nodes]
+        # Σ over the priced passes of t(k + x, pairs = x²/2) − t(k): their slopes, attention and
+        # knees (prompt_knees holds every pass's, slope change·k) without the intercepts.
+        costs = []
+        for w, x in nodes:
+            c = terms.prompt_slope * x + terms.prompt_pairs * (0.5 * x * x)
+            for knee, w_knee in terms.prompt_knees:
+                if k + x > knee:
+                    c += w_knee / k * (k + x - knee - max(k - knee, 0.0))
+            costs.append((w, c))
     mean = sum(w * c for w, c in costs)
     if not mean > 0.0:
         return 1.0
@@ -1148,11 +1286,10 @@ def _sharing_hinges(
     # "no hinge on"); one at or past the bound never switches on.
     k, g0, g1, hinges = terms.step_tokens, 0.0, 0.0, []
     for knee, w_knee in terms.prompt_knees:  # w_knee = δ·k: a knee's slope change per unit B
-        for at, w in (
-            (knee / k - 1.0, -w_knee),
-            *(((knee - x) / k - 1.0, 2.0 * wn * w_knee) for wn, x in nodes),
-            *(((knee - 2.0 * x) / k - 1.0, -wn * w_knee) for wn, x in nodes),
-        ):
+        candidates = [(knee / k - 1.0, -w_knee)]
+        candidates += [((knee - x) / k - 1.0, 2.0 * wn * w_knee) for wn, x in nodes]
+        candidates += [((knee - 2.0 * x) / k - 1.0, -wn * w_knee) for wn, x in nodes]
+        for at, w in candidates:
             if at <= 0.0:
                 g0 -= w * at
                 g1 += w
@@ -1259,23 +1396,12 @@ def _branching_sums(points: int = 384, terms: int = 800) -> tuple[np.ndarray, np
 _BRANCHING = _branching_sums()
 
 
-def _chain_rates(
-    segments,
-    waits,
-    ends: tuple[float, ...],
-    bound: float,
-    lines,
-    sharing: tuple[np.ndarray, ...] | None = None,
-    stair_s: np.ndarray | None = None,
-    peak_batch: float = math.inf,
-    prompt_q: float | None = None,
-    chunking: tuple[np.ndarray, np.ndarray] | None = None,
-    steps: float | None = None,
-    prompt_tread: float = 1.0,
-) -> tuple[np.ndarray, float]:
-    """The chain's cumulative log departure rates: with n in the server, h(n) = n / T(n − 1);
-    and how much prompts sharing a step and the staircase raise the best state's rate (1.0
-    without ``sharing`` and ``stair_s``).
+def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]]:
+    """Each curve's chain, cumulative log departure rates: with n in the server, h(n) =
+    n / T(n − 1); and how much prompts sharing a step and the staircase raise the best state's
+    rate (1.0 without ``sharing`` and ``stair_s``). The curves have the same states (``top``),
+    the same terms present or absent but for ``sharing`` and ``chunking`` (absent: nothing
+    added); each is a row of the same arrays.
 
     ``stair_s`` (seconds per state) is the decode step's staircase around the fitted line. It
     rides on the smooth chain's rates (their running best, as :func:`cumulative_log_rates`
@@ -1304,60 +1430,90 @@ def _chain_rates(
     in flight: those that arrived in it before the request share its prefill step, those that
     arrive in its last step are prefilled after it, λ·Δ·(wait − min((T − wait)/(steps + 1), 2·wait)).
     """
-    top = min(math.floor(bound), MAX_STATES)
-    n, b = _CHAIN_N[:top], _OTHERS[:top]
-    # Each state's segment: its (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1), one row per state; one
-    # segment (no hinge below the bound) broadcasts its scalars.
-    table = np.array([s[2:] + w + ln for s, w, ln in zip(segments, waits, lines, strict=True)])
-    cols = table[0] if len(table) == 1 else table[np.asarray(ends).searchsorted(b)].T
-    c0, c1, c2, r0, r1, r2, s0, s1, d0, d1 = cols
+    top, rows = curves[0].top, len(curves)
+    n, b, b4 = _state_rows(rows, top)
+    others = _OTHERS[:top]  # B of one curve
+
+    def column(values) -> np.ndarray | float:  # one scalar per curve, broadcast over its states
+        return values[0] if rows == 1 else np.array(values)[:, None]
+
+    # Each state's segment: its (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1), every curve's segments
+    # in one table, taken into one contiguous row per curve and column (strided rows cost the
+    # arithmetic below twice as much).
+    table = np.array([s[2:] + w + ln for c in curves for s, w, ln in zip(c.segments, c.waits, c.lines, strict=True)])
+    if rows == 1:
+        which = np.searchsorted(curves[0].ends, others)
+    else:
+        which, start = np.empty((rows, top), dtype=np.intp), 0
+        for row, c in enumerate(curves):
+            np.add(np.searchsorted(c.ends, others), start, out=which[row])
+            start += len(c.segments)
+    c0, c1, c2, r0, r1, r2, s0, s1, d0, d1 = table.T.take(which, axis=1)
     x = c0 + b * (c1 + b * c2)
     b4r = r0 + b * (r1 + b * r2)
     np.maximum(b4r, 0.0, out=b4r)
-    b4r *= _OTHERS_4[:top]
+    b4r *= b4
     t = 0.5 * (x + np.sqrt(x * x + b4r))  # _with_wait, one row per state
-    gained = 1.0
-    if sharing is not None or prompt_q is not None:
+    gained = np.ones(rows)
+    stair_s = curves[0].stair_s if rows == 1 or curves[0].stair_s is None else np.array([c.stair_s for c in curves])
+    prompt_q = curves[0].prompt_q
+    if any(c.sharing is not None for c in curves) or prompt_q is not None:
         np.maximum(t, 1e-300, out=t)  # a zero-cost pass (refused by its loader): no 0/0 below
-        plain = (n / t).max()
+        plain = _MAX(n / t, axis=-1)
         tau, delta = s0 + s1 * b, d0 + d1 * b
         lam = b / t
-        lam[0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
-        if stair_s is not None and prompt_tread != 1.0:
+        lam[..., 0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
+        tread = column([c.prompt_tread for c in curves])
+        if stair_s is not None and np.any(tread != 1.0):
             # The steps that carry a prompt keep only part of the tread.
-            stair_s = stair_s * (1.0 - prompt_step_share(lam * tau, lam * delta) * (1.0 - prompt_tread))
-        if sharing is not None:
-            at, cum_w, cum_wat = sharing
+            stair_s = stair_s * (1.0 - prompt_step_share(lam * tau, lam * delta) * (1.0 - tread))
+        if any(c.sharing is not None for c in curves):
+            # gap(B) per state (_sharing_hinges); none without the token term's knees.
+            gap = np.zeros((rows, top))
+            for row, c in enumerate(curves):
+                if c.sharing is not None:
+                    at, cum_w, cum_wat = c.sharing
+                    i = at.searchsorted(others)
+                    gap[row] = others * cum_w[i] - cum_wat[i]
             # The step with its prompts; past a full step of prompts the budget limit holds.
             mu = lam * tau / np.maximum(1.0 - lam * delta, 0.05)
-            i = at.searchsorted(b)
-            x -= (b * cum_w[i] - cum_wat[i]) * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
+            x -= (gap if rows > 1 else gap[0]) * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
             t = 0.5 * (x + np.sqrt(x * x + b4r))
         if prompt_q is not None:
             lam = b / t
-            excess = bunched_wait_excess(lam, tau, delta, prompt_q)
+            excess = bunched_wait_excess(lam, tau, delta, column([c.prompt_q for c in curves]))
             wait = 0.5 * tau + (t - x) + excess
             t += excess
-            if steps is not None:
-                # The prompts that arrived in the step in flight before it share its prefill
-                # step; those that arrive in its last step are prefilled after it. A step of the
-                # request's life is no longer than twice the wait for the step in flight, as
-                # E[S²]/(2·E[S]) ≥ E[S]/2: with a step or two a request (few tokens, long prefill
-                # steps) (T − wait)/(steps + 1) is the whole of its prefill, not a step, and taken
-                # as one it halved T near capacity and doubled the limit.
-                seen = np.minimum((t - wait) / (steps + 1.0), 2.0 * wait)
-                t += lam * delta * (wait - seen)
-        if chunking is not None:
-            t += n * chunking[0] + chunking[1] * tau
-        gained = float((n / t).max() / plain)
+            # The prompts that arrived in the step in flight before it share its prefill
+            # step; those that arrive in its last step are prefilled after it. A step of the
+            # request's life is no longer than twice the wait for the step in flight, as
+            # E[S²]/(2·E[S]) ≥ E[S]/2: with a step or two a request (few tokens, long prefill
+            # steps) (T − wait)/(steps + 1) is the whole of its prefill, not a step, and taken
+            # as one it halved T near capacity and doubled the limit.
+            seen = np.minimum((t - wait) / (column([c.steps for c in curves]) + 1.0), 2.0 * wait)
+            t += lam * delta * (wait - seen)
+        for row, c in enumerate(curves):
+            if c.chunking is not None:
+                ts = t[row] if rows > 1 else t
+                ts += _CHAIN_N[:top] * c.chunking[0] + c.chunking[1] * (tau[row] if rows > 1 else tau)
+        gained = _MAX(n / t, axis=-1) / plain
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
     rates = n / np.maximum(t, 1e-300)
     if stair_s is None:
-        return cumulative_log_rates(rates), gained
-    smooth = np.maximum.accumulate(rates)
-    stepped = n / (n / smooth + stair_s)
-    at = min(top, math.floor(peak_batch) + 1) - 1  # the state the limit is set at: n = B + 1
-    return cumulative_log_rates(stepped, monotone=False), gained * float(stepped[at] / smooth[at])
+        chains = cumulative_log_rates(rates)
+    else:
+        smooth = np.maximum.accumulate(rates, axis=-1)
+        rates = n / (n / smooth + stair_s)
+        chains = cumulative_log_rates(rates, monotone=False)
+        # The state the limit is set at: n = B + 1.
+        at = [min(top, math.floor(c.peak_batch) + 1) - 1 for c in curves]
+        gained = gained * (
+            rates[..., at] / smooth[..., at] if rows == 1 else rates[range(rows), at] / smooth[range(rows), at]
+        )
+    if rows == 1:
+        return [(chains, float(np.ravel(gained)[0]))]
+    # Each its own copy: a curve kept in the cache must not hold its batch's other rows.
+    return [(row.copy(), g) for row, g in zip(chains, gained.tolist(), strict=True)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1380,11 +1536,12 @@ def curves(
     accepted_length: float | None = None,
 ) -> tuple[ModeCurve, ModeCurve]:
     """(without SD, with SD) rate curves; with draft length 0 both are the plain target."""
-    off = mode_curve(model, workload, False, 1.0, 0.0)
     if draft_length <= 0:
+        off = mode_curve(model, workload, False, 1.0, 0.0)
         return off, off
-    en = _clamped_en(alpha, draft_length, accepted_length)
-    return off, mode_curve(model, workload, True, en, float(draft_length))
+    on = (True, _clamped_en(alpha, draft_length, accepted_length), float(draft_length))
+    mode_curve.fill(model, workload, ((False, 1.0, 0.0), on))
+    return mode_curve(model, workload, False, 1.0, 0.0), mode_curve(model, workload, *on)
 
 
 def cycle_speedup(points: Sequence[PointPrediction]) -> float:
@@ -1705,13 +1862,20 @@ def best_draft_length(
     gammas = sorted({int(c) for c in candidates})
     if not gammas or gammas[0] < 1:
         raise ValueError("draft length candidates must be integers >= 1")
+    keys = {g: (True, _clamped_en(alpha, g, None), float(g)) for g in gammas}
+    # The curves are built a few at a time (build_curves): SD off and the shortest drafts, which
+    # every search tries, then the next two whenever the search goes on past those built.
+    batch = len(gammas) if patience is None else patience + 2
+    mode_curve.fill(model, workload, [(False, 1.0, 0.0), *(keys[g] for g in gammas[:batch])])
     off = mode_curve(model, workload, False, 1.0, 0.0)
     t_off, mu_off = off.latency_s(rate_rps), off.stability_limit_rps
     best: tuple[int, float, float] | None = None
     best_overloaded: tuple[int, float, float] | None = None
     since_best = 0
-    for g in gammas:
-        on = mode_curve(model, workload, True, _clamped_en(alpha, g, None), float(g))
+    for i, g in enumerate(gammas):
+        if i >= batch and i % 2 == batch % 2:
+            mode_curve.fill(model, workload, [keys[h] for h in gammas[i : i + 2]])
+        on = mode_curve(model, workload, *keys[g])
         t_on = on.latency_s(rate_rps)
         s = _speedup_from(t_off, t_on, mu_off, on.stability_limit_rps)
         if math.isinf(t_on):

@@ -28,6 +28,9 @@ MAX_STATES = 4096  # enumerated states; past them (or the bound) the queue tail 
 _STATES = np.arange(0.0, MAX_STATES + 1.0)  # n = 0, 1, 2, …: sliced, never rebuilt per call
 _WEIGHTS = np.stack((np.ones_like(_STATES), _STATES))  # Σ p and Σ n·p in one product
 _MAX = np.maximum.reduce
+_MIN = np.minimum.reduce
+_ACCUMULATE = np.maximum.accumulate
+_SUM = np.add.accumulate
 _PRODUCT = np.multiply.accumulate
 _VIEWS: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per chain length: slicing anew cost ~0.5 µs a call
 
@@ -45,15 +48,17 @@ def cumulative_log_rates(departure_rps: np.ndarray, monotone: bool = True) -> np
     requests wait (it keeps running its best batch; past the throughput peak the extra ones
     queue). The queue past the last state is served at the stability limit, which
     :func:`mean_in_system` takes as ``tail_rps``. ``monotone=False`` keeps them as given (a
-    staircase of step costs the caller put on rates it made non-decreasing itself).
+    staircase of step costs the caller put on rates it made non-decreasing itself). Several
+    chains at once: one per row (the last axis is the states).
     """
     raw = np.asarray(departure_rps, dtype=float)
-    if raw.size == 0 or not raw.min() > 0.0:  # NaN fails it too
+    if raw.size == 0 or not _MIN(raw, axis=None) > 0.0:  # NaN fails it too
         raise ValueError("departure rates must be positive")
-    h = np.maximum.accumulate(raw[:MAX_STATES]) if monotone else raw[:MAX_STATES]
-    out = np.empty(h.size + 1)  # C[0] = 0, then the running sum in place: one array, not three
-    out[0] = 0.0
-    np.cumsum(np.log(h, out=out[1:]), out=out[1:])
+    h = _ACCUMULATE(raw[..., :MAX_STATES], axis=-1) if monotone else raw[..., :MAX_STATES]
+    out = np.empty((*h.shape[:-1], h.shape[-1] + 1))  # C[0] = 0, then the running sum in place
+    out[..., 0] = 0.0
+    body = out[..., 1:]
+    _SUM(np.log(h, out=body), axis=-1, out=body)  # ufuncs, not their Python wrappers
     return out
 
 
@@ -79,9 +84,12 @@ def inverse_rates(cum_log_rates: np.ndarray, tail_rps: float) -> np.ndarray | No
     if top == 0 or not 0.0 < tail_rps < math.inf:
         return None
     states, _ = _VIEWS.get(top) or _views(top)
-    if float(_MAX(states * math.log(tail_rps) - cum_log_rates[1:])) > _MAX_LOG_PRODUCT:
+    log_q = states * math.log(tail_rps)
+    log_q -= cum_log_rates[1:]
+    if float(_MAX(log_q)) > _MAX_LOG_PRODUCT:
         return None
-    return np.exp(-np.diff(cum_log_rates))
+    inverse = np.subtract(cum_log_rates[:-1], cum_log_rates[1:], out=log_q)  # −ln h(n)
+    return np.exp(inverse, out=inverse)
 
 
 def mean_time_in_system(

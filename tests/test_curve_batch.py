@@ -1,0 +1,74 @@
+"""Curves built together (model.build_curves: one array, a row per curve) are the curves built
+one at a time: the same arithmetic per element, whatever else shares the batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+
+import numpy as np
+import pytest
+
+from controller import model as M
+from tests.support.model_reference import MODELS, WORKLOADS, build_model
+
+# SD off and draft lengths 1..6 at per-token acceptance 0.7, and one at another acceptance: the
+# keys a decision asks for (best_draft_length) and a pair (curves).
+KEYS = [(False, 1.0, 0.0), *((True, M._clamped_en(0.7, g, None), float(g)) for g in range(1, 7))]
+KEYS.append((True, M._clamped_en(0.4, 3, None), 3.0))
+
+
+def _same(a: M.ModeCurve, b: M.ModeCurve) -> list[str]:
+    bad = []
+    for f in fields(M.ModeCurve):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            if x.shape != y.shape or not np.allclose(x, y, rtol=1e-13, atol=0.0):
+                bad.append(f.name)
+        elif isinstance(x, float) and math.isnan(x):
+            if not math.isnan(y):
+                bad.append(f.name)
+        elif x != y and not (isinstance(x, float) and math.isclose(x, y, rel_tol=1e-13)):
+            bad.append(f.name)
+    return bad
+
+
+@pytest.mark.parametrize("spec", MODELS, ids=lambda s: f"{s['calibration']}-{sorted(s.get('replace', {}))}"[:60])
+def test_curves_built_together_are_the_curves_built_alone(spec):
+    model = build_model(spec)
+    checked = 0
+    for wl in WORKLOADS:
+        w = M.Workload(*wl)
+        together = M.build_curves(model, w, KEYS)
+        for key, curve in zip(KEYS, together, strict=True):
+            alone = M.build_curves(model, w, [key])[0]
+            assert not _same(curve, alone), (wl, key, _same(curve, alone))
+            assert curve.latency_s(0.5 * curve.stability_limit_rps) == pytest.approx(
+                alone.latency_s(0.5 * alone.stability_limit_rps), rel=1e-12
+            )
+            checked += 1
+    assert checked == len(WORKLOADS) * len(KEYS)
+
+
+def test_a_decision_builds_its_draft_lengths_together_and_caches_each():
+    model = build_model(MODELS[0])
+    w = M.Workload(1000.5, 280.0, 200.0, 500.0)
+    M.mode_curve.cache_clear()
+    built = []
+    real = M.build_curves
+
+    def spy(model, workload, keys):
+        built.append([k[2] for k in keys])
+        return real(model, workload, keys)
+
+    M.build_curves = spy
+    try:
+        choice = M.best_draft_length(model, 6.0, 0.7, w)
+        M.break_even_rates(model, 0.7, choice.draft_length, w)  # its curves are cached
+    finally:
+        M.build_curves = real
+    # SD off and the three shortest drafts in one batch; further ones two at a time.
+    assert built[0] == [0.0, 1.0, 2.0, 3.0]
+    assert all(len(b) <= 2 for b in built[1:])
+    assert sum(map(len, built)) == len({g for b in built for g in b})  # none built twice
+    assert choice.draft_length in {g for b in built for g in b}
