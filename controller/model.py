@@ -1065,6 +1065,7 @@ def _finish_curve(
 
 
 CurveKey = tuple[bool, float, float]  # (SD on, accepted tokens per step, draft length)
+_OFF: CurveKey = (False, 1.0, 0.0)
 
 
 def build_curves(model: LatencyModel, workload: Workload, keys: Sequence[CurveKey]) -> list[ModeCurve]:
@@ -1087,40 +1088,40 @@ def build_curves(model: LatencyModel, workload: Workload, keys: Sequence[CurveKe
 
 
 class _CurveCache:
-    """The curves built, per (model, workload, mode, accepted length, draft length): least
-    recently used out first, as functools.lru_cache, but filled a batch at a time too."""
+    """The curves built, per (model, workload) and (mode, accepted length, draft length): the
+    workloads least recently used out first (as functools.lru_cache), each workload's curves
+    built a batch at a time (:func:`build_curves`)."""
 
     def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._curves: OrderedDict[tuple, ModeCurve] = OrderedDict()
+        self.maxsize = maxsize  # workloads (× models) kept
+        self._curves: OrderedDict[tuple[LatencyModel, Workload], dict[CurveKey, ModeCurve]] = OrderedDict()
 
     def __call__(
         self, model: LatencyModel, workload: Workload, sd: bool, accepted_length: float, draft_length: float
     ) -> ModeCurve:
         """Build (and cache) the exact rate curve of one mode."""
-        key = (model, workload, sd, accepted_length, draft_length)
-        curve = self._curves.get(key)
-        if curve is None:
-            self.fill(model, workload, [(sd, accepted_length, draft_length)])
-            return self._curves[key]
-        self._curves.move_to_end(key)
-        return curve
+        return self.many(model, workload, ((sd, accepted_length, draft_length),))[0]
 
-    def fill(self, model: LatencyModel, workload: Workload, keys: Iterable[CurveKey]) -> None:
-        """Build the curves of ``keys`` not cached yet, in one batch (:func:`build_curves`)."""
-        missing = list(dict.fromkeys(k for k in keys if (model, workload, *k) not in self._curves))
-        if not missing:
-            return
-        for key, curve in zip(missing, build_curves(model, workload, missing), strict=True):
-            self._curves[(model, workload, *key)] = curve
-        while len(self._curves) > self.maxsize:
-            self._curves.popitem(last=False)
+    def many(self, model: LatencyModel, workload: Workload, keys: Sequence[CurveKey]) -> list[ModeCurve]:
+        """The curves of ``keys``, those not cached yet built in one batch."""
+        at = (model, workload)
+        kept = self._curves.get(at)
+        if kept is None:
+            kept = self._curves[at] = {}
+            while len(self._curves) > self.maxsize:
+                self._curves.popitem(last=False)
+        else:
+            self._curves.move_to_end(at)
+        missing = [k for k in dict.fromkeys(keys) if k not in kept]
+        if missing:
+            kept.update(zip(missing, build_curves(model, workload, missing), strict=True))
+        return [kept[k] for k in keys]
 
     def cache_clear(self) -> None:
         self._curves.clear()
 
 
-mode_curve = _CurveCache(maxsize=4096)
+mode_curve = _CurveCache(maxsize=512)
 
 
 _CHAIN_N = np.arange(1.0, MAX_STATES + 1.0)  # n = 1, 2, …; sliced per curve, never rebuilt
@@ -1540,8 +1541,8 @@ def curves(
         off = mode_curve(model, workload, False, 1.0, 0.0)
         return off, off
     on = (True, _clamped_en(alpha, draft_length, accepted_length), float(draft_length))
-    mode_curve.fill(model, workload, ((False, 1.0, 0.0), on))
-    return mode_curve(model, workload, False, 1.0, 0.0), mode_curve(model, workload, *on)
+    off_curve, on_curve = mode_curve.many(model, workload, (_OFF, on))
+    return off_curve, on_curve
 
 
 def cycle_speedup(points: Sequence[PointPrediction]) -> float:
@@ -1862,20 +1863,24 @@ def best_draft_length(
     gammas = sorted({int(c) for c in candidates})
     if not gammas or gammas[0] < 1:
         raise ValueError("draft length candidates must be integers >= 1")
-    keys = {g: (True, _clamped_en(alpha, g, None), float(g)) for g in gammas}
+
+    def sd(g: int) -> CurveKey:
+        return True, _clamped_en(alpha, g, None), float(g)
+
     # The curves are built a few at a time (build_curves): SD off and the shortest drafts, which
     # every search tries, then the next two whenever the search goes on past those built.
     batch = len(gammas) if patience is None else patience + 2
-    mode_curve.fill(model, workload, [(False, 1.0, 0.0), *(keys[g] for g in gammas[:batch])])
-    off = mode_curve(model, workload, False, 1.0, 0.0)
+    off, *first = mode_curve.many(model, workload, [_OFF, *map(sd, gammas[:batch])])
+    on_curves = dict(zip(gammas, first, strict=False))
     t_off, mu_off = off.latency_s(rate_rps), off.stability_limit_rps
     best: tuple[int, float, float] | None = None
     best_overloaded: tuple[int, float, float] | None = None
     since_best = 0
     for i, g in enumerate(gammas):
-        if i >= batch and i % 2 == batch % 2:
-            mode_curve.fill(model, workload, [keys[h] for h in gammas[i : i + 2]])
-        on = mode_curve(model, workload, *keys[g])
+        if g not in on_curves:
+            more = gammas[i : i + 2]
+            on_curves.update(zip(more, mode_curve.many(model, workload, [*map(sd, more)]), strict=True))
+        on = on_curves[g]
         t_on = on.latency_s(rate_rps)
         s = _speedup_from(t_off, t_on, mu_off, on.stability_limit_rps)
         if math.isinf(t_on):

@@ -72,3 +72,37 @@ def test_a_decision_builds_its_draft_lengths_together_and_caches_each():
     assert all(len(b) <= 2 for b in built[1:])
     assert sum(map(len, built)) == len({g for b in built for g in b})  # none built twice
     assert choice.draft_length in {g for b in built for g in b}
+
+
+def test_the_curve_cache_keeps_the_workloads_used_last():
+    model = build_model(MODELS[0])
+    cache = M._CurveCache(maxsize=2)
+    a, b, c = (M.Workload(1000.0 + i, 280.0, 200.0, 500.0) for i in range(3))
+    first = cache(model, a, *KEYS[0])
+    assert cache(model, a, *KEYS[0]) is first  # cached
+    cache.many(model, b, KEYS[:2])
+    cache(model, a, *KEYS[1])  # a used last: b goes first
+    cache(model, c, *KEYS[0])
+    assert cache(model, a, *KEYS[0]) is first
+    assert cache.many(model, b, KEYS[:1])[0] is not None  # rebuilt
+    with pytest.raises(KeyError):  # nothing else of b was kept
+        cache._curves[(model, b)][KEYS[1]]
+
+
+def test_an_exhaustive_search_builds_every_draft_length_at_once():
+    model = build_model(MODELS[0])
+    w = M.Workload(1000.25, 280.0, 200.0, 500.0)
+    M.mode_curve.cache_clear()
+    built = []
+    real = M.build_curves
+
+    def spy(model, workload, keys):
+        built.append(len(keys))
+        return real(model, workload, keys)
+
+    M.build_curves = spy
+    try:
+        M.best_draft_length(model, 6.0, 0.7, w, patience=None)
+    finally:
+        M.build_curves = real
+    assert built == [1 + len(M.DEFAULT_DRAFT_LENGTHS)]
