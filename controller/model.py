@@ -49,6 +49,7 @@ from controller.queueing import (
     cumulative_log_rates,
     inverse_rates,
     mean_time_in_system,
+    mean_time_in_system_below,
     mean_time_in_system_many,
     mean_time_in_window,
 )
@@ -731,6 +732,10 @@ class ModeCurve:
         t = mean_time_in_system_many(np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit, self.inverse_rates)
         out = np.where(live, t, np.where(rates > 0.0, math.inf, self.alone_s))
         return out.tolist()
+
+    def latencies_below_limit_s(self, rates_rps: np.ndarray) -> np.ndarray:
+        """:meth:`latencies_s` at rates all in (0, the limit), unchecked (a grid below it)."""
+        return mean_time_in_system_below(rates_rps, self.cum_log_rates, self.stability_limit_rps, self.inverse_rates)
 
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
         """Latency if every step cost were ``cost_scale`` times larger: s·T(s·λ)."""
@@ -1781,11 +1786,15 @@ def break_even_rates(
         return value
 
     grid = [stop * i / BREAK_EVEN_GRID for i in range(BREAK_EVEN_GRID)] + [stop * (1.0 - 1e-9)]
-    # The grid in one pass of each mode's chain (the same sums as latency_s, one row per rate).
-    values = [
-        _speedup_from(t_off, t_on, mu_off, mu_on)
-        for t_off, t_on in zip(off.latencies_s(grid), on.latencies_s(grid), strict=True)
-    ]
+    # The grid in one pass of each mode's chain (the same sums as latency_s, one row per rate);
+    # past 0 every rate is below both limits.
+    if 0.0 < stop < math.inf:
+        inside = np.array(grid[1:])
+        lat_off = [off.alone_s, *off.latencies_below_limit_s(inside).tolist()]
+        lat_on = [on.alone_s, *on.latencies_below_limit_s(inside).tolist()]
+    else:
+        lat_off, lat_on = off.latencies_s(grid), on.latencies_s(grid)
+    values = [_speedup_from(t_off, t_on, mu_off, mu_on) for t_off, t_on in zip(lat_off, lat_on, strict=True)]
     result: dict[float, BreakEven] = {}
     for th in (float(t) for t in thresholds):
         if values[0] < th:

@@ -132,23 +132,30 @@ def mean_time_in_system_many(
     out = np.full(rates.shape, math.inf)
     ok = rates < tail_rps
     if ok.any():
-        lam, top = rates[ok], cum_log_rates.size - 1
-        states, weights = _VIEWS.get(top) or _views(top)
-        if inverse is not None:
-            q = lam[:, None] * inverse
-            q[:, 0] = inverse[0]
-            _PRODUCT(q, axis=1, out=q)
-            z, first = weights @ q.T
-            out[ok] = _with_tail(1.0 + lam * z, first, q[:, -1], top, lam, tail_rps)
-            return out
-        log_rate = np.log(lam)
-        log_q = log_rate[:, None] * states - cum_log_rates[1:]
-        shift = np.maximum(_MAX(log_q, axis=1) + log_rate, 0.0)
-        log_q -= shift[:, None]
-        q = np.exp(log_q, out=log_q)
-        z, first = weights @ q.T
-        out[ok] = _with_tail(np.exp(-shift) + lam * z, first, q[:, -1], top, lam, tail_rps)
+        out[ok] = mean_time_in_system_below(rates[ok], cum_log_rates, tail_rps, inverse)
     return out
+
+
+def mean_time_in_system_below(
+    rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float, inverse: np.ndarray | None = None
+) -> np.ndarray:
+    """:func:`mean_time_in_system_many` at rates all in (0, ``tail_rps``), unchecked: a grid
+    below the limit (break-even rates) pays no masks."""
+    lam, top = rates_rps, cum_log_rates.size - 1
+    states, weights = _VIEWS.get(top) or _views(top)
+    if inverse is not None:
+        q = lam[:, None] * inverse
+        q[:, 0] = inverse[0]
+        _PRODUCT(q, axis=1, out=q)
+        z, first = weights @ q.T
+        return _with_tail(1.0 + lam * z, first, q[:, -1], top, lam, tail_rps)
+    log_rate = np.log(lam)
+    log_q = log_rate[:, None] * states - cum_log_rates[1:]
+    shift = np.maximum(_MAX(log_q, axis=1) + log_rate, 0.0)
+    log_q -= shift[:, None]
+    q = np.exp(log_q, out=log_q)
+    z, first = weights @ q.T
+    return _with_tail(np.exp(-shift) + lam * z, first, q[:, -1], top, lam, tail_rps)
 
 
 def stationary_law(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) -> tuple[np.ndarray, float]:
