@@ -934,7 +934,7 @@ class _ChainTerms(NamedTuple):
     sharing: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     stair_s: np.ndarray | None
     peak_batch: float
-    prompt_q: float | None
+    prompt_q: float | None  # q for the chain's bunched wait; None without prompts
     chunking: tuple[np.ndarray, np.ndarray] | None
     steps: float
     prompt_tread: float
@@ -946,7 +946,7 @@ class _ChainTerms(NamedTuple):
     peak_rps: float
     gen_tokens: float
     mean_prompt: float
-    q: float
+    q: float  # what the curve keeps (1.0 without prompts)
 
 
 def _chain_terms(
