@@ -50,28 +50,31 @@ def test_curves_built_together_are_the_curves_built_alone(spec):
     assert checked == len(WORKLOADS) * len(KEYS)
 
 
-def test_a_decision_builds_its_draft_lengths_together_and_caches_each():
-    model = build_model(MODELS[0])
-    w = M.Workload(1000.5, 280.0, 200.0, 500.0)
-    M.mode_curve.cache_clear()
-    built = []
+@pytest.fixture
+def batches(monkeypatch) -> list[list[float]]:
+    """The draft lengths of each batch the curve cache builds (0: SD off), from a clear cache."""
+    built: list[list[float]] = []
     real = M.build_curves
 
     def spy(model, workload, keys):
         built.append([k[2] for k in keys])
         return real(model, workload, keys)
 
-    M.build_curves = spy
-    try:
-        choice = M.best_draft_length(model, 6.0, 0.7, w)
-        M.break_even_rates(model, 0.7, choice.draft_length, w)  # its curves are cached
-    finally:
-        M.build_curves = real
+    monkeypatch.setattr(M, "build_curves", spy)
+    M.mode_curve.cache_clear()
+    return built
+
+
+def test_a_decision_builds_its_draft_lengths_together_and_caches_each(batches):
+    model = build_model(MODELS[0])
+    w = M.Workload(1000.5, 280.0, 200.0, 500.0)
+    choice = M.best_draft_length(model, 6.0, 0.7, w)
+    M.break_even_rates(model, 0.7, choice.draft_length, w)  # its curves are cached
     # SD off and the three shortest drafts in one batch; further ones two at a time.
-    assert built[0] == [0.0, 1.0, 2.0, 3.0]
-    assert all(len(b) <= 2 for b in built[1:])
-    assert sum(map(len, built)) == len({g for b in built for g in b})  # none built twice
-    assert choice.draft_length in {g for b in built for g in b}
+    assert batches[0] == [0.0, 1.0, 2.0, 3.0]
+    assert all(len(b) <= 2 for b in batches[1:])
+    assert sum(map(len, batches)) == len({g for b in batches for g in b})  # none built twice
+    assert choice.draft_length in {g for b in batches for g in b}
 
 
 def test_the_curve_cache_keeps_the_workloads_used_last():
@@ -89,20 +92,7 @@ def test_the_curve_cache_keeps_the_workloads_used_last():
         cache._curves[(model, b)][KEYS[1]]
 
 
-def test_an_exhaustive_search_builds_every_draft_length_at_once():
+def test_an_exhaustive_search_builds_every_draft_length_at_once(batches):
     model = build_model(MODELS[0])
-    w = M.Workload(1000.25, 280.0, 200.0, 500.0)
-    M.mode_curve.cache_clear()
-    built = []
-    real = M.build_curves
-
-    def spy(model, workload, keys):
-        built.append(len(keys))
-        return real(model, workload, keys)
-
-    M.build_curves = spy
-    try:
-        M.best_draft_length(model, 6.0, 0.7, w, patience=None)
-    finally:
-        M.build_curves = real
-    assert built == [1 + len(M.DEFAULT_DRAFT_LENGTHS)]
+    M.best_draft_length(model, 6.0, 0.7, M.Workload(1000.25, 280.0, 200.0, 500.0), patience=None)
+    assert batches == [[0.0, *map(float, M.DEFAULT_DRAFT_LENGTHS)]]
