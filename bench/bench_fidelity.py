@@ -406,14 +406,19 @@ def _refine(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
     """Each measured break-even bracket of ``workdir`` wider than BREAK_EVEN_STEP: SD off and
     the draft length at its ``refine_rps`` (validation.refine_rates), on every arrival seed the
     directory holds, into ``workdir/refined/seed<S>/load-<workload>.csv`` (both modes of a seed
-    in one file, so validate pairs them). Rates already refined are not run again."""
+    in one file, so validate pairs them). Rates already refined on some seed are run on the
+    seeds that lack them (replicates added since); none is run twice on a seed."""
     csvs, truth = _stored_load_tests(workdir, truth, "refine")
     seeds = [seed, *sorted(int(p.name.removeprefix("seed")) for p in workdir.glob("replicates/seed*"))]
     reports = _revalidate(workdir)
     for path in csvs:
         workload = path.stem.removeprefix("load-")
         duration = _test_duration(path, list(csv.DictReader(path.open(encoding="utf-8"))))
-        wanted = {be.draft_length: be.refine_rps for be in reports[workload].break_even if be.refine_rps}
+        wanted = {be.draft_length: set(be.refine_rps) for be in reports[workload].break_even if be.refine_rps}
+        for earlier in workdir.glob(f"refined/seed*/{path.name}"):
+            for r in csv.DictReader(earlier.open(encoding="utf-8")):
+                if int(r["draft_length"]) > 0:
+                    wanted.setdefault(int(r["draft_length"]), set()).add(float(r["rate"]))
         for s in seeds:
             out = workdir / "refined" / f"seed{s}" / path.name
             done = (
@@ -426,7 +431,7 @@ def _refine(workdir: Path, truth: fidelity.TruthServer, seed: int) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 for gamma, rates in wanted.items():
                     for g in (0, gamma):
-                        todo = tuple(r for r in rates if (g, r) not in done)
+                        todo = tuple(r for r in sorted(rates) if (g, r) not in done)
                         if not todo:
                             continue
                         done |= {(g, r) for r in todo}

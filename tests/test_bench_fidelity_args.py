@@ -178,6 +178,14 @@ def test_refine_runs_both_modes_inside_the_measured_bracket_once(tmp_path):
     again = bench_fidelity("--refine", str(work), "--truth", "a100-coarse")  # nothing left to run
     assert again.returncode == 0, again.stderr
     assert refined.read_bytes() == before
+    # A seed replicated since: the bracket is narrow now, but the rates refined on seed 7 run on it.
+    (work / "replicates/seed101").mkdir(parents=True)
+    (work / "replicates/seed101/load-code.csv").write_text(lines[0] + "".join(kept), encoding="utf-8")
+    later = bench_fidelity("--refine", str(work), "--truth", "a100-coarse")
+    assert later.returncode == 0, later.stderr
+    assert refined.read_bytes() == before
+    added = (work / "refined/seed101/load-code.csv").read_text(encoding="utf-8").splitlines()
+    assert sorted(r.split(",")[:3] for r in added[1:]) == [["5.25", "off", "0"], ["5.25", "on", "4"]]
 
 
 def test_refine_needs_load_tests(tmp_path):
