@@ -36,7 +36,8 @@ A measured break-even is the crossing of the measured speedup interpolated betwe
 and a truth's default rates are a whole req/s apart where its break-evens lie (4 and 5 on the
 A100: a fifth of the rate). ``--refine DIR`` runs SD off and the draft length at rates inside
 each bracket wider than 5 % of the rate, on every seed DIR holds, into
-DIR/refined/seed<S>/load-<workload>.csv, which the rest pool like replicates.
+DIR/refined/seed<S>/load-<workload>.csv, which the rest pool like replicates; rates refined on
+some seed run on the seeds that lack them (replicates added since).
 """
 
 from __future__ import annotations
