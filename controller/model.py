@@ -1139,10 +1139,7 @@ def _state_rows(rows: int, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """(n, B, 4·B) over the states of ``rows`` curves built together, each row the same (never
     written to): numpy's fast loops take operands of one shape, and broadcasting one row over
     several cost as much as the arithmetic."""
-    base = (_CHAIN_N[:top], _OTHERS[:top], _OTHERS_4[:top])
-    if rows == 1:
-        return base
-    a, b, c = (np.ascontiguousarray(np.broadcast_to(x, (rows, top))) for x in base)
+    a, b, c = (np.ascontiguousarray(np.broadcast_to(x[:top], (rows, top))) for x in (_CHAIN_N, _OTHERS, _OTHERS_4))
     return a, b, c
 
 
@@ -1440,20 +1437,17 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
     n, b, b4 = _state_rows(rows, top)
     others = _OTHERS[:top]  # B of one curve
 
-    def column(values) -> np.ndarray | float:  # one scalar per curve, broadcast over its states
-        return values[0] if rows == 1 else np.array(values)[:, None]
+    def column(values) -> np.ndarray:  # one scalar per curve, broadcast over its states
+        return np.array(values)[:, None]
 
     # Each state's segment: its (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1), every curve's segments
     # in one table, taken into one contiguous row per curve and column (strided rows cost the
     # arithmetic below twice as much).
     table = np.array([s[2:] + w + ln for c in curves for s, w, ln in zip(c.segments, c.waits, c.lines, strict=True)])
-    if rows == 1:
-        which = np.searchsorted(curves[0].ends, others)
-    else:
-        which, start = np.empty((rows, top), dtype=np.intp), 0
-        for row, c in enumerate(curves):
-            np.add(np.searchsorted(c.ends, others), start, out=which[row])
-            start += len(c.segments)
+    which, start = np.empty((rows, top), dtype=np.intp), 0
+    for row, c in enumerate(curves):
+        np.add(np.searchsorted(c.ends, others), start, out=which[row])
+        start += len(c.segments)
     c0, c1, c2, r0, r1, r2, s0, s1, d0, d1 = table.T.take(which, axis=1)
     x = c0 + b * (c1 + b * c2)
     b4r = r0 + b * (r1 + b * r2)
@@ -1461,9 +1455,10 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
     b4r *= b4
     t = 0.5 * (x + np.sqrt(x * x + b4r))  # _with_wait, one row per state
     gained = np.ones(rows)
-    stair_s = curves[0].stair_s if rows == 1 or curves[0].stair_s is None else np.array([c.stair_s for c in curves])
+    stair_s = None if curves[0].stair_s is None else np.array([c.stair_s for c in curves])
     prompt_q = curves[0].prompt_q
-    if any(c.sharing is not None for c in curves) or prompt_q is not None:
+    shared = any(c.sharing is not None for c in curves)
+    if shared or prompt_q is not None:
         np.maximum(t, 1e-300, out=t)  # a zero-cost pass (refused by its loader): no 0/0 below
         plain = _MAX(n / t, axis=-1)
         tau, delta = s0 + s1 * b, d0 + d1 * b
@@ -1473,7 +1468,7 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
         if stair_s is not None and np.any(tread != 1.0):
             # The steps that carry a prompt keep only part of the tread.
             stair_s = stair_s * (1.0 - prompt_step_share(lam * tau, lam * delta) * (1.0 - tread))
-        if any(c.sharing is not None for c in curves):
+        if shared:
             # gap(B) per state (_sharing_hinges); none without the token term's knees.
             gap = np.zeros((rows, top))
             for row, c in enumerate(curves):
@@ -1483,7 +1478,7 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
                     gap[row] = others * cum_w[i] - cum_wat[i]
             # The step with its prompts; past a full step of prompts the budget limit holds.
             mu = lam * tau / np.maximum(1.0 - lam * delta, 0.05)
-            x -= (gap if rows > 1 else gap[0]) * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
+            x -= gap * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
             t = 0.5 * (x + np.sqrt(x * x + b4r))
         if prompt_q is not None:
             lam = b / t
@@ -1500,8 +1495,7 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
             t += lam * delta * (wait - seen)
         for row, c in enumerate(curves):
             if c.chunking is not None:
-                ts = t[row] if rows > 1 else t
-                ts += _CHAIN_N[:top] * c.chunking[0] + c.chunking[1] * (tau[row] if rows > 1 else tau)
+                t[row] += _CHAIN_N[:top] * c.chunking[0] + c.chunking[1] * tau[row]
         gained = _MAX(n / t, axis=-1) / plain
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
     rates = n / np.maximum(t, 1e-300)
@@ -1513,11 +1507,7 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
         chains = cumulative_log_rates(rates, monotone=False)
         # The state the limit is set at: n = B + 1.
         at = [min(top, math.floor(c.peak_batch) + 1) - 1 for c in curves]
-        gained = gained * (
-            rates[..., at] / smooth[..., at] if rows == 1 else rates[range(rows), at] / smooth[range(rows), at]
-        )
-    if rows == 1:
-        return [(chains, float(np.ravel(gained)[0]))]
+        gained = gained * (rates[range(rows), at] / smooth[range(rows), at])
     # Each its own copy: a curve kept in the cache must not hold its batch's other rows.
     return [(row.copy(), g) for row, g in zip(chains, gained.tolist(), strict=True)]
 
