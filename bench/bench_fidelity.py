@@ -17,6 +17,7 @@ overloaded, stability limits and break-even rates; asserts nothing. About 15 min
     python bench/bench_fidelity.py --refine DIR --truth a100-coarse [--seed 11]   # rates inside the break-evens' brackets
     python bench/bench_fidelity.py --draft-lengths 3,6 --workloads chat,code   # γ the bench never ran
     python bench/bench_fidelity.py --truth a100-coarse --max-num-batched-tokens 2048   # vLLM's A100 default
+    python bench/bench_fidelity.py --pool bench/results [--json pooled.json]   # every stored directory, pooled
 
 ``--truth a100-coarse`` is a second truth held out from the model's development (gpu.py's
 A100_COARSE: another GPU, 128-token GEMM tiles, a slower host); its load tests default to the
@@ -38,6 +39,13 @@ A100: a fifth of the rate). ``--refine DIR`` runs SD off and the draft length at
 each bracket wider than 5 % of the rate, on every seed DIR holds, into
 DIR/refined/seed<S>/load-<workload>.csv, which the rest pool like replicates; rates refined on
 some seed run on the seeds that lack them (replicates added since).
+
+``--pool ROOT`` re-validates every directory under ROOT that holds a calibration and load tests
+(this code's model, nothing written) and prints the figures pooled over all of them: the steady
+rates and their mean and worst error (apart: the rates of the load tests' own grids and those
+``--refine`` added), every rate past 10 %, the saturated rates not flagged, the steady ones called
+overloaded, the stability limits and the break-evens; ``--json FILE`` writes them with each
+rate's error. The README's pooled figures are this command's.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import dataclasses
 import io
 import json
 import math
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -166,7 +175,30 @@ def main() -> None:
         help="with --replicate: only each mode's rates from this fraction of its highest rate in DIR (where a run's"
         " noise is)",
     )
+    ap.add_argument(
+        "--pool",
+        type=Path,
+        default=None,
+        metavar="ROOT",
+        help="no simulation: re-validate every directory under ROOT holding a calibration.json and load-*.csv"
+        " (nothing written) and print the figures pooled over all of them",
+    )
+    ap.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="with --pool: the figures and every rate's error"
+    )
     args = ap.parse_args()
+    if (args.json is not None) and args.pool is None:
+        ap.error("--json: only with --pool ROOT")
+    if args.pool is not None:
+        started = time.monotonic()
+        try:
+            pooled = _pool(args.pool, lambda line: print(line, file=sys.stderr, flush=True))
+        except InputError as exc:
+            raise SystemExit(f"bench_fidelity: {exc}") from None
+        _print_pool(pooled, args.pool, time.monotonic() - started)
+        if args.json is not None:
+            write_bytes_atomic(args.json, json.dumps(pooled, indent=1, allow_nan=False).encode())
+        return
     if args.recalibrate is not None and args.revalidate is None:
         ap.error("--recalibrate: only with --revalidate DIR")
     if (args.seeds is None) != (args.replicate is None):
@@ -524,6 +556,142 @@ def _summarize(reports: dict[str, ValidationReport], out: Path) -> None:
         )
     report = {w: to_dict(r) for w, r in reports.items()}
     (out / "fidelity.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+
+
+PAST = 0.10  # the issue's worst error on a steady rate
+BREAK_EVEN_WITHIN = 0.05  # ... and on a break-even
+
+
+def _pool(root: Path, log: Callable[[str], None]) -> dict:
+    """Every stored directory under ``root`` re-validated, pooled: per directory and over all."""
+    dirs = sorted(d for d in root.iterdir() if (d / "calibration.json").is_file() and any(d.glob("load-*.csv")))
+    if not dirs:
+        raise InputError(f"{root}: no directory with a calibration.json and load-*.csv to pool")
+    rates: dict[str, float] = {}
+    grid: dict[str, bool] = {}  # a rate of the load tests' own grids (else one --refine added)
+    past, break_evens, limits, capacities = [], [], [], []
+    per_dir, unflagged, overloads = {}, 0, 0
+    for d in dirs:
+        errors = []
+        for workload, rep in _revalidate(d).items():
+            own = {
+                (int(r["draft_length"]), round(float(r["rate"]), 9))
+                for f in (d / f"load-{workload}.csv", *d.glob(f"replicates/seed*/load-{workload}.csv"))
+                for r in csv.DictReader(io.StringIO(f.read_text(encoding="utf-8")))
+            }
+            for pt in rep.points:
+                if pt.error is None:
+                    continue
+                key = f"{d.name}/{workload}/{pt.mode}@{pt.rate:g}"
+                rates[key], errors = pt.error, [*errors, pt.error]
+                grid[key] = (pt.runs[0].row.draft_length, round(pt.rate, 9)) in own
+                if abs(pt.error) > PAST:
+                    se = pt.error_in_se
+                    past.append({"rate": key, "error": pt.error, "error_in_se": se, "refined": not grid[key]})
+            for m in rep.modes:
+                unflagged += m.saturated_runs - m.saturated_flagged
+                overloads += m.false_overloads
+                where = f"{d.name}/{workload}/{m.mode}"
+                if m.limit_error is not None:
+                    limits.append({"mode": where, "error": m.limit_error})
+                if m.capacity_error is not None:
+                    capacities.append({"mode": where, "error": m.capacity_error})
+            for be in rep.break_even:
+                if be.error is not None:
+                    break_evens.append(
+                        {
+                            "where": f"{d.name}/{workload}/γ={be.draft_length}",
+                            "predicted_rps": be.predicted_rps,
+                            "measured_rps": be.measured_rps,
+                            "measured_between_rps": be.measured_between_rps,
+                            "error": be.error,
+                        }
+                    )
+        per_dir[d.name] = _errors(errors)
+        log(f"{d.name}: {len(errors)} steady rates")
+    worst = max(rates.values(), key=abs, default=None)
+    return {
+        "directories": per_dir,
+        "all": _errors(list(rates.values())),
+        "grid": _errors([e for k, e in rates.items() if grid[k]]),
+        "refined": _errors([e for k, e in rates.items() if not grid[k]]),
+        "worst_rate": None if worst is None else next(k for k, e in rates.items() if e == worst),
+        "past_10": sorted(past, key=lambda p: -abs(p["error"])),
+        "saturated_not_flagged": unflagged,
+        "steady_called_overloaded": overloads,
+        "limits": sorted(limits, key=lambda x: -abs(x["error"])),
+        "capacities": sorted(capacities, key=lambda x: -abs(x["error"])),
+        "break_evens": sorted(break_evens, key=lambda x: -abs(x["error"])),
+        "rates": rates,
+    }
+
+
+def _errors(errors: list[float]) -> dict:
+    """Count, mean |error|, worst (signed) and mean signed error of some rates' errors."""
+    if not errors:
+        return {"rates": 0, "mean_abs_error": None, "worst_error": None, "bias": None, "past_10": 0}
+    return {
+        "rates": len(errors),
+        "mean_abs_error": sum(map(abs, errors)) / len(errors),
+        "worst_error": max(errors, key=abs),
+        "bias": sum(errors) / len(errors),
+        "past_10": sum(abs(e) > PAST for e in errors),
+    }
+
+
+def _print_pool(pooled: dict, root: Path, seconds: float) -> None:
+    def line(name: str, e: dict) -> str:
+        if not e["rates"]:
+            return f"  {name:42s} {0:5d}"
+        return (
+            f"  {name:42s} {e['rates']:5d} {e['mean_abs_error'] * 100:8.2f} % {e['worst_error'] * 100:+8.1f} %"
+            f" {e['bias'] * 100:+7.2f} % {e['past_10']:5d}"
+        )
+
+    dirs = pooled["directories"]
+    print(
+        f"pooled {len(dirs)} directories under {root}/ (re-validated with this code in {seconds:.1f} s; nothing written)"
+    )
+    print(
+        f"  {'steady rates (the runs at one rate pooled)':42s} {'rates':>5s} {'mean |err|':>10s} {'worst':>10s} {'bias':>9s} {'>10 %':>5s}"
+    )
+    for name, e in dirs.items():
+        print(line(name, e))
+    print(line("all", pooled["all"]))
+    print(line("  the load tests' own rates", pooled["grid"]))
+    print(line("  rates --refine added", pooled["refined"]))
+    print(f"rates past {PAST:.0%}: {len(pooled['past_10'])}")
+    for p in pooled["past_10"]:
+        se = "" if p["error_in_se"] is None else f", {p['error_in_se']:+.1f} se"
+        print(f"  {p['rate']}: {p['error']:+.1%}{se}{' (refined)' if p['refined'] else ''}")
+    print(f"saturated rates not flagged overloaded: {pooled['saturated_not_flagged']}")
+    print(f"steady rates called overloaded: {pooled['steady_called_overloaded']}")
+    for what, label in (
+        ("limits", "outside the measured bracket (highest steady rate, lowest saturated)"),
+        ("capacities", "from what the lowest saturated rate served"),
+    ):
+        rows = pooled[what]
+        if rows:
+            outside = sum(r["error"] != 0.0 for r in rows)
+            print(
+                f"stability limits {label}: {len(rows)} modes, {outside} off by more than 0,"
+                f" worst {rows[0]['error']:+.1%} ({rows[0]['mode']})"
+            )
+    bes = pooled["break_evens"]
+    if bes:
+        within = sum(abs(b["error"]) <= BREAK_EVEN_WITHIN for b in bes)
+        mean = sum(abs(b["error"]) for b in bes) / len(bes)
+        print(f"break-evens measured: {len(bes)}, within {BREAK_EVEN_WITHIN:.0%}: {within}, mean |error| {mean:.2%}")
+        for b in bes:
+            if abs(b["error"]) > BREAK_EVEN_WITHIN:
+                between = (
+                    ""
+                    if b["measured_between_rps"] is None
+                    else " between {:g} and {:g}".format(*b["measured_between_rps"])
+                )
+                print(
+                    f"  {b['where']}: predicted {b['predicted_rps']:.3f}, measured {b['measured_rps']:.3f}{between} ({b['error']:+.1%})"
+                )
 
 
 if __name__ == "__main__":

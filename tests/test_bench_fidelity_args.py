@@ -194,3 +194,76 @@ def test_refine_needs_load_tests(tmp_path):
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1] == f"bench_fidelity: {tmp_path}: no load-*.csv to refine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json"]
+
+
+def _rows(path: Path, *prefixes: str) -> str:
+    """The header of a stored load CSV and its rows starting with ``prefixes``, in order."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [ln for ln in lines[1:] if ln.startswith(prefixes)]
+    assert len(kept) == len(prefixes)
+    return lines[0] + "".join(kept)
+
+
+def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
+    from controller import calibration
+    from controller.validation import validate
+
+    stored = ROOT / "bench/results/fidelity-h100"
+    files = {
+        "one/load-chat.csv": _rows(stored / "load-chat.csv", "12,off,0,", "13,off,0,", "13,on,2,"),
+        "one/replicates/seed101/load-chat.csv": _rows(stored / "replicates/seed101/load-chat.csv", "13,off,0,"),
+        "one/refined/seed7/load-chat.csv": _rows(stored / "refined/seed7/load-chat.csv", "10.5,off,0,", "11,off,0,"),
+        "two/load-code.csv": _rows(stored / "load-code.csv", "2,off,0,", "13,off,0,", "13,on,4,"),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    for d in ("one", "two"):
+        (tmp_path / d / "calibration.json").write_bytes((stored / "calibration.json").read_bytes())
+    (tmp_path / "notes").mkdir()  # neither a calibration nor load tests: not a result directory
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    out = tmp_path.parent / f"{tmp_path.name}-pooled.json"
+    run = bench_fidelity("--pool", str(tmp_path), "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written in ROOT
+    pooled = json.loads(out.read_text())
+    # The same points validate finds in each directory, its load tests and replicates and refined runs pooled.
+    model = calibration.load(stored / "calibration.json").latency_model()
+    expected = {}
+    for d, files_of in (("one", [k for k in files if k.startswith("one/")]), ("two", ["two/load-code.csv"])):
+        rows = [r for f in files_of for r in calibration.read_load_csv(tmp_path / f)[0]]
+        workload = files_of[0].split("load-")[1].removesuffix(".csv")
+        for pt in validate(model, rows).points:
+            if pt.error is not None:
+                expected[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt.error
+    assert pooled["rates"] == pytest.approx(expected, rel=1e-12)
+    assert set(expected) >= {"one/chat/off@13", "one/chat/off@10.5", "two/code/off@2"}
+    errors = list(expected.values())
+    assert pooled["all"]["rates"] == len(errors) == pooled["grid"]["rates"] + pooled["refined"]["rates"]
+    assert pooled["all"]["mean_abs_error"] == pytest.approx(sum(map(abs, errors)) / len(errors), rel=1e-12)
+    assert pooled["refined"]["rates"] == 2  # 10.5 and 11 req/s, only in refined/
+    assert pooled["directories"]["one"]["rates"] + pooled["directories"]["two"]["rates"] == len(errors)
+    assert set(pooled["directories"]) == {"one", "two"}
+    worst = max(errors, key=abs)
+    assert pooled["all"]["worst_error"] == pytest.approx(worst, rel=1e-12)
+    assert pooled["rates"][pooled["worst_rate"]] == pytest.approx(worst, rel=1e-12)
+    assert f"pooled 2 directories under {tmp_path}/" in run.stdout
+    assert f"rates past 10%: {sum(abs(e) > 0.10 for e in errors)}" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "rc", "why"),
+    [
+        (("--json", "out.json"), 2, "--json: only with --pool ROOT"),
+        (
+            ("--pool", "{root}"),
+            1,
+            "bench_fidelity: {root}: no directory with a calibration.json and load-*.csv to pool",
+        ),
+    ],
+)
+def test_pool_refuses_what_it_cannot_pool(tmp_path, args, rc, why):
+    run = bench_fidelity(*(a.format(root=tmp_path) for a in args))
+    assert run.returncode == rc
+    assert run.stderr.strip().splitlines()[-1].endswith(why.format(root=tmp_path))
+    assert list(tmp_path.iterdir()) == []
