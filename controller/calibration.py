@@ -53,6 +53,7 @@ LOAD_OPTIONAL_COLUMNS = (
     "cached_prompt_tokens",
     "served_rps",
     "workload",
+    "sent",
 )
 DEFAULT_WARMUP = 10
 MIN_BATCH_SIZES = 3
@@ -403,6 +404,17 @@ class LoadRow:
     # The file the run was read from ("" when built otherwise): one load test's runs, every mode,
     # are sent the same arrivals (its --seed), so validate pairs the modes' runs by it.
     source: str = ""
+    # Requests the test sent over [0, duration_s): Poisson arrivals at ``rate`` send ±√n of
+    # them; None: not recorded.
+    sent: int | None = None
+
+    @property
+    def offered_rps(self) -> float:
+        """The arrival rate the run was offered: what it sent over its duration where both are
+        recorded, else the rate it was asked for."""
+        if self.sent and self.duration_s:
+            return self.sent / self.duration_s
+        return self.rate
 
     def workload(self) -> Workload:
         """The request shape the run measured, as the model takes it."""
@@ -541,12 +553,16 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
             "running_context_tokens",
             "cached_prompt_tokens",
             "served_rps",
+            "sent",
         ):
             cell = (r.get(col) or "").strip()
             opt[col] = _number(p, line, col, cell) if cell else None
         for col in ("gen_tokens_std", "prompt_tokens_std", "cached_prompt_tokens", "served_rps"):
             if (opt[col] or 0.0) < 0:
                 raise InputError(f"{p}:{line}: column {col}: {opt[col]:g} is negative")
+        sent = opt["sent"]
+        if sent is not None and (sent < 0 or sent != int(sent)):
+            raise InputError(f"{p}:{line}: column sent: {sent:g} must be a whole number of requests >= 0")
         context = opt["running_context_tokens"]
         if context is not None and context < 1:
             raise InputError(f"{p}:{line}: column running_context_tokens: {context:g} must be >= 1 (or empty)")
@@ -584,6 +600,7 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
                 opt["served_rps"],
                 (r.get("workload") or "").strip(),
                 str(p),
+                None if sent is None else int(sent),
             )
         )
     return rows, digest
@@ -1372,7 +1389,7 @@ def _predicted_latency(model: LatencyModel, row: LoadRow) -> float:
     workload = row.workload()
     gamma = row.draft_length if row.sd else 0
     alpha = float(alpha_from_vllm_rate(row.acceptance_rate, max(gamma, 1)))
-    p = predict_point(model, row.rate, alpha, max(gamma, 1), workload)
+    p = predict_point(model, row.offered_rps, alpha, max(gamma, 1), workload)
     return p.latency_on_s if row.sd else p.latency_off_s
 
 
@@ -1383,7 +1400,7 @@ def _paper_fit_r2(rows: Sequence[LoadRow]) -> float | None:
         curves[(r.sd, r.draft_length if r.sd else 0, round(r.acceptance_rate, 3))].append(r)
     y_all, p_all = [], []
     for group in curves.values():
-        rate = np.array([r.rate for r in group])
+        rate = np.array([r.offered_rps for r in group])
         lat = np.array([r.mean_e2e_s for r in group])
         if np.unique(rate).size >= 2:
             # 1/L = 1/C1 − (C2/C1)·rate is linear in rate.

@@ -2,10 +2,12 @@
 
 A load test is a set of constant-rate runs of the real (or simulated) server, each with its
 measured mean end-to-end latency and whether its queue kept growing (saturated). For every run
-the model predicts the same quantity at the same rate, acceptance and request shape. The
-report says per run how far off it is, per mode the mean and worst error over the runs that
-were not saturated, whether every saturated run was predicted overloaded, and where the
-measured and predicted stability limits and break-even rates are.
+the model predicts the same quantity at the same acceptance and request shape, and at the rate
+the run was offered: what it sent over its duration where the file records both (Poisson
+arrivals at a rate send ±√n requests, and near a limit 1 % of rate is 5–10 % of latency),
+else the rate it asked for. The report says per run how far off it is, per mode the mean and
+worst error over the runs that were not saturated, whether every saturated run was predicted
+overloaded, and where the measured and predicted stability limits and break-even rates are.
 
 Near a limit one run's mean varies by several per cent from arrival seed to arrival seed (a
 queue at 0.9 of capacity remembers its bursts for minutes), so a load test may repeat a rate on
@@ -261,7 +263,8 @@ def _alpha(row: LoadRow) -> float:
 def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
     gamma = row.draft_length if row.sd else 1
     alpha = _alpha(row) if row.sd else 0.5
-    p = predict_point(model, row.rate, alpha, gamma, row.workload())
+    rate = row.offered_rps  # near a limit ±1 % of arrivals moves the latency by ±5–10 %
+    p = predict_point(model, rate, alpha, gamma, row.workload())
     if row.sd:
         pred, lo, hi = p.latency_on_s, p.latency_on_lo_s, p.latency_on_hi_s
     else:
@@ -269,11 +272,11 @@ def check_row(model: LatencyModel, row: LoadRow) -> RowCheck:
     stationary = pred
     curve = curves(model, alpha, gamma, row.workload())[1 if row.sd else 0]
     band_lo, band_hi = curve.metastable_band_rps
-    metastable = band_lo <= row.rate < band_hi
-    if row.duration_s is not None and math.isfinite(pred) and row.rate > 0:
+    metastable = band_lo <= rate < band_hi
+    if row.duration_s is not None and math.isfinite(pred) and rate > 0:
         # The test ran for a while from an empty server: compare it with what such a test
         # sees (near the limit the stationary mean is hours away), at the same interval.
-        window = functools.partial(curve.latency_in_window_s, row.rate, row.duration_s, row.warmup_s)
+        window = functools.partial(curve.latency_in_window_s, rate, row.duration_s, row.warmup_s)
         spread = INTERVAL_Z * (model.relative_sd_on if row.sd else model.relative_sd_off)
         pred = window()
         lo, hi = (window(cost_scale=c) for c in interval_scales(spread))

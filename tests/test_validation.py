@@ -94,6 +94,25 @@ def test_error_is_predicted_minus_measured_over_measured(rate, sd):
     assert not over.predicted_overloaded and not over.measured_saturated
 
 
+@pytest.mark.parametrize("sd", [False, True])
+def test_a_run_is_predicted_at_the_rate_its_arrivals_came_at(sd):
+    # 4 req/s asked for over 600 s; Poisson arrivals sent 2,322 (3.87 req/s, −1.6 sd). Near a
+    # limit that is worth several per cent of latency: the run is judged at what it was offered.
+    sent = replace(row(4.0, sd, 1.0), duration_s=600.0, sent=2322)
+    offered = 2322 / 600.0
+    check = validate(MODEL, [sent]).rows[0]
+    assert sent.offered_rps == offered
+    assert check.stationary_s == pytest.approx(predicted(offered, sd), rel=1e-12)
+    assert abs(check.stationary_s / predicted(4.0, sd) - 1.0) > 0.01
+    # Not recorded (or nothing sent): the rate asked for.
+    for unknown in (replace(sent, sent=None), replace(sent, sent=0), replace(sent, duration_s=None)):
+        assert unknown.offered_rps == 4.0
+        assert validate(MODEL, [unknown]).rows[0].stationary_s == pytest.approx(predicted(4.0, sd), rel=1e-12)
+    # The runs at one rate still pool under the rate asked for.
+    (point,) = validate(MODEL, [sent, replace(sent, sent=2478)]).points
+    assert point.rate == 4.0 and len(point.runs) == 2
+
+
 def test_off_rows_use_the_off_curve_whatever_their_acceptance_columns():
     # An SD-off row carries no γ; its prediction is the plain target's latency.
     r = LoadRow(2.0, False, 0, 0.0, 1.0, PROMPT, GEN, 0, GEN_STD)
@@ -551,6 +570,7 @@ def test_cli_json_report(monkeypatch, capsys, calibration_file, load_csv):
         assert r["error"] == pytest.approx(0.05, rel=1e-9)
         assert r["predicted_s"] == pytest.approx(predicted(r["rate_rps"], r["mode"] != "off", model), rel=1e-12)
         assert r["predicted_overloaded"] is False and r["measured_saturated"] is False
+        assert r["offered_rps"] == r["rate_rps"]  # the file records no sent/duration
     sat = rows[8]
     assert sat["rate_rps"] == 9.0 and sat["measured_s"] == 120.0
     assert sat["measured_saturated"] is True and sat["predicted_overloaded"] is True
@@ -654,6 +674,8 @@ def test_cli_refuses_load_tests_of_several_workloads(monkeypatch, capsys, tmp_pa
         (2, {"running_context_tokens": "0"}, "column running_context_tokens"),
         (3, {"running_context_tokens": "lots"}, "column running_context_tokens"),
         (4, {"running_context_tokens": "nan"}, "column running_context_tokens"),
+        (2, {"sent": "-3"}, "column sent"),
+        (3, {"sent": "12.5"}, "column sent"),
     ],
 )
 def test_cli_bad_csv_exits_2_with_one_line_naming_file_and_line(

@@ -48,6 +48,8 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
                 "line": c.row.line,
                 "mode": c.mode,
                 "rate_rps": c.row.rate,
+                # The rate predicted at: what the run sent over its duration, where recorded.
+                "offered_rps": c.row.offered_rps,
                 "measured_s": c.row.mean_e2e_s,
                 "measured_saturated": c.measured_saturated,
                 "predicted_s": finite_or_none(c.predicted_s),
