@@ -58,6 +58,10 @@ class _Row:  # what calibration's paper-fit check reads of a load-test row
     rate: float
     mean_e2e_s: float
 
+    @property
+    def offered_rps(self) -> float:  # the arrival rate the server saw (a load-test row's sent / duration)
+        return self.rate
+
 
 def summarize(points: Iterable[Point]) -> list[ModeResiduals]:
     """Per-mode residual figures (modes without points are left out)."""
