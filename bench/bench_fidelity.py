@@ -575,15 +575,16 @@ def _pool(root: Path, log: Callable[[str], None]) -> dict:
         errors = []
         for workload, rep in _revalidate(d).items():
             own = {
-                (int(r["draft_length"]), round(float(r["rate"]), 9))
+                (r.draft_length, round(r.rate, 9))
                 for f in (d / f"load-{workload}.csv", *d.glob(f"replicates/seed*/load-{workload}.csv"))
-                for r in csv.DictReader(io.StringIO(f.read_text(encoding="utf-8")))
+                for r in cal_mod.read_load_csv(f)[0]
             }
             for pt in rep.points:
                 if pt.error is None:
                     continue
                 key = f"{d.name}/{workload}/{pt.mode}@{pt.rate:g}"
-                rates[key], errors = pt.error, [*errors, pt.error]
+                rates[key] = pt.error
+                errors.append(pt.error)
                 grid[key] = (pt.runs[0].row.draft_length, round(pt.rate, 9)) in own
                 if abs(pt.error) > PAST:
                     se = pt.error_in_se
@@ -610,18 +611,22 @@ def _pool(root: Path, log: Callable[[str], None]) -> dict:
         per_dir[d.name] = _errors(errors)
         log(f"{d.name}: {len(errors)} steady rates")
     worst = max(rates.values(), key=abs, default=None)
+
+    def worst_first(rows: list[dict]) -> list[dict]:
+        return sorted(rows, key=lambda x: -abs(x["error"]))
+
     return {
         "directories": per_dir,
         "all": _errors(list(rates.values())),
         "grid": _errors([e for k, e in rates.items() if grid[k]]),
         "refined": _errors([e for k, e in rates.items() if not grid[k]]),
         "worst_rate": None if worst is None else next(k for k, e in rates.items() if e == worst),
-        "past_10": sorted(past, key=lambda p: -abs(p["error"])),
+        "past_10": worst_first(past),
         "saturated_not_flagged": unflagged,
         "steady_called_overloaded": overloads,
-        "limits": sorted(limits, key=lambda x: -abs(x["error"])),
-        "capacities": sorted(capacities, key=lambda x: -abs(x["error"])),
-        "break_evens": sorted(break_evens, key=lambda x: -abs(x["error"])),
+        "limits": worst_first(limits),
+        "capacities": worst_first(capacities),
+        "break_evens": worst_first(break_evens),
         "rates": rates,
     }
 

@@ -615,6 +615,21 @@ def test_cli_table_output(monkeypatch, capsys, calibration_file, load_csv):
     assert "2.2,2.4,2.6,2.8" in out  # and the rates that would pin it, as a --rates list
 
 
+def test_cli_table_says_the_rate_a_run_was_predicted_at_where_it_sent_another(
+    monkeypatch, capsys, tmp_path, calibration_file
+):
+    # 2 req/s for 600 s: 1,170 sent is 1.95 req/s (2.5 % short, said); 1,203 is 2.005 (0.25 %, not).
+    model = cal_mod.load(calibration_file).latency_model()
+    rows = [
+        {**csv_row(2.0, False, predicted(2.0, False, model)), "duration_s": 600.0, "sent": sent}
+        for sent in (1170, 1203)
+    ]
+    assert run_cli(monkeypatch, str(calibration_file), str(write_load_csv(tmp_path / "sent.csv", rows))) == 0
+    out = capsys.readouterr().out
+    assert out.count("predicted at the 1.95 req/s it sent") == 1
+    assert "2.005" not in out
+
+
 def test_cli_pools_the_runs_of_several_files(monkeypatch, capsys, tmp_path, calibration_file, load_csv):
     # The same test again on other arrivals, 15 % slower at 4 req/s off: that rate's point is
     # the mean of the two runs, each row names its file, the table shows the pooled rates.
