@@ -95,6 +95,7 @@ def main() -> None:
         m = law[lo : lo + width].sum()
         print(f"  {lo:4d}-{lo + width - 1:<4d} truth {t:6.3f}  model {m:6.3f}  {'#' * round(40 * t):40s}|")
     print(f"  past the chain's bound: model {past:.3g}")
+    _departures(res, curve, law, WARMUP_FRACTION * args.duration, args.duration, gamma)
 
     # The decode (verify) step at each batch it ran alone: the truth against the line and the
     # calibration's staircase residual at those tokens, as the chain prices it.
@@ -132,6 +133,61 @@ def main() -> None:
         )
         if not gamma:
             _by_chunk(lm.target, seqs[mixed], prompt_tokens, extra)
+
+
+def departures_by_state(
+    arrival_s: np.ndarray, finish_s: np.ndarray, start_s: float, end_s: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Over [start, end): the seconds the server held n requests (arrived, not finished) and the
+    completions out of n, indexed by n. Their ratio is the departure rate a birth–death chain
+    needs in state n to hold the same law (the flow up out of n − 1 equals the flow down out of n)."""
+    times = np.concatenate([[start_s], arrival_s, finish_s])
+    moves = np.concatenate([[0], np.ones(arrival_s.size, dtype=np.int64), -np.ones(finish_s.size, dtype=np.int64)])
+    order = np.argsort(times, kind="stable")
+    times, moves = times[order], moves[order]
+    after = np.cumsum(moves)  # n from each event to the next
+    held = np.clip(np.append(times[1:], np.inf), start_s, end_s) - np.clip(times, start_s, end_s)
+    seconds = np.bincount(after, weights=held)
+    out = (moves < 0) & (times >= start_s) & (times < end_s)
+    done = np.bincount(after[out] + 1, minlength=seconds.size)
+    return seconds, done[: seconds.size]
+
+
+def _departures(res: SimResult, curve: model_mod.ModeCurve, law: np.ndarray, start_s: float, end_s: float, gamma: int):
+    """Completions a second by requests in the server: the truth's, what its own steps in that
+    band give (n over a request's steps times the mean step), and the chain's h(n). The chain's
+    h is the step's; where the truth's falls below its own steps' the requests in the server
+    are younger than the steps assume (they came in a burst), and its law is wider than the
+    chain's."""
+    seconds, done = departures_by_state(res.arrival_s, res.finish_s, start_s, end_s)
+    n = np.arange(seconds.size)
+    mean = float(seconds @ n / seconds.sum())
+    sd = float(np.sqrt(seconds @ (n - mean) ** 2 / seconds.sum()))
+    chain_mean = float(law @ np.arange(law.size))
+    chain_sd = float(np.sqrt(law @ (np.arange(law.size) - chain_mean) ** 2))
+    steps = (res.num_drafts if gamma else res.step_seqs.sum()) / max(res.arrival_s.size, 1)
+    ends = np.cumsum(res.step_s)
+    late = (ends > start_s) & (ends <= end_s)
+    h = np.exp(np.diff(curve.cum_log_rates))  # h(n), n = 1..
+    width = max(1, round(sd / 2))
+    print(
+        f"\nrequests in the server (arrived, not finished): truth mean {mean:.1f} (sd {sd:.1f}), "
+        f"chain {chain_mean:.1f} (sd {chain_sd:.1f}); completions a second by n, width {width}: "
+        "share of time, truth, n/(steps·mean step) of the truth's steps there, chain h(n)"
+    )
+    for lo in range(max(1, int(mean - 3 * sd)), int(mean + 3 * sd) + 1, width):
+        band = slice(lo, min(lo + width, seconds.size))
+        held = float(seconds[band].sum())
+        pick = late & (res.step_running >= lo) & (res.step_running < lo + width)
+        if held < 0.01 * seconds.sum() or pick.sum() < MIN_STEPS:
+            continue
+        at = n[band]
+        step_rate = float(seconds[band] @ at) / held / (steps * float(res.step_s[pick].mean()))
+        chain = float(seconds[band] @ h[np.minimum(at, h.size) - 1]) / held
+        print(
+            f"  {lo:4d}-{lo + width - 1:<4d} {held / seconds.sum():6.3f} {done[band].sum() / held:8.2f}"
+            f" {step_rate:8.2f} {chain:8.2f}"
+        )
 
 
 def _by_chunk(target: model_mod.StepCost, seqs: np.ndarray, prompt_tokens: np.ndarray, extra: np.ndarray) -> None:

@@ -1,9 +1,12 @@
 """bench/bench_batch_law.py: the truth's law of requests running against the model's, from a stored run."""
 
+import importlib.util
 import re
 import subprocess
 
-from tests.support.bench_scripts import run_bench
+import numpy as np
+
+from tests.support.bench_scripts import ROOT, run_bench
 
 STORED = "bench/results/fidelity-h100"
 
@@ -42,3 +45,33 @@ def test_a_rate_the_load_csv_never_ran_is_one_line():
     done = run("--rate", "4.5", "--duration", "60")
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == ("bench_batch_law: load-chat.csv has no row at γ=0, 4.5 req/s")
+
+
+def test_departures_by_state_counts_the_time_held_and_the_completions_out_of_each_n(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # it imports bench_fidelity beside it
+    spec = importlib.util.spec_from_file_location("bench_batch_law", ROOT / "bench" / "bench_batch_law.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # Arrivals at 0, 1, 2, finishes at 3, 4, 2.5: n is 1 on [0, 1), 2 on [1, 2), 3 on [2, 2.5),
+    # 2 on [2.5, 3), 1 on [3, 4), 0 on [4, 5).
+    arrival, finish = np.array([0.0, 1.0, 2.0]), np.array([3.0, 4.0, 2.5])
+    seconds, done = mod.departures_by_state(arrival, finish, 0.0, 5.0)
+    np.testing.assert_allclose(seconds, [1.0, 2.0, 1.5, 0.5])
+    np.testing.assert_array_equal(done, [0, 1, 1, 1])  # one completion out of each of 3, 2 and 1
+    # A window that starts late counts only what it sees: [2.2, 3.5).
+    seconds, done = mod.departures_by_state(arrival, finish, 2.2, 3.5)
+    np.testing.assert_allclose(seconds, [0.0, 0.5, 0.5, 0.3])
+    np.testing.assert_array_equal(done, [0, 0, 1, 1])
+
+
+def test_completions_by_requests_in_the_server_are_listed_beside_the_steps_and_the_chains():
+    done = run("--rate", "10", "--duration", "600")
+    assert done.returncode == 0, done.stderr
+    head = re.search(r"arrived, not finished\): truth mean ([\d.]+) \(sd ([\d.]+)\), chain ([\d.]+)", done.stdout)
+    assert head, done.stdout
+    bands = re.findall(r"^\s+(\d+)-(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", done.stdout, flags=re.M)
+    assert len(bands) >= 4, done.stdout
+    assert sum(float(b[2]) for b in bands) <= 1.0 + 1e-3
+    for _lo, _hi, _share, truth, steps, chain in bands:
+        # Each band's completions are near what its own steps give, and the chain's near both.
+        assert 0.7 < float(truth) / float(steps) < 1.3 and 0.7 < float(chain) / float(steps) < 1.3
