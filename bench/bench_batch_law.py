@@ -67,12 +67,13 @@ def main() -> None:
     late = ends > WARMUP_FRACTION * args.duration
     dur, seqs, tokens = res.step_s[late], res.step_seqs[late], res.step_tokens[late]
     print(f"{args.truth} {args.workload} γ={gamma} at {args.rate:g} req/s, {args.duration:g} s")
+    steps = (res.num_drafts if gamma else res.step_seqs.sum()) / max(res.arrival_s.size, 1)
     print(
         f"truth: mean {res.latency_s[kept].mean():.3f} s (load CSV {row.mean_e2e_s:.3f}): "
         f"to first scheduled {(res.admitted_s - res.arrival_s)[kept].mean():.3f}, first token "
         f"{(res.first_token_s - res.arrival_s)[kept].mean():.3f}, decode "
         f"{(res.finish_s - res.first_token_s)[kept].mean():.3f}; "
-        f"{(res.num_drafts if gamma else res.step_seqs.sum()) / max(res.arrival_s.size, 1):.1f} steps a request, "
+        f"{steps:.1f} steps a request, "
         f"{1e3 * np.average(dur, weights=seqs):.1f} ms a step as a request sees it"
     )
     limit = curve.stability_limit_rps
@@ -95,7 +96,7 @@ def main() -> None:
         m = law[lo : lo + width].sum()
         print(f"  {lo:4d}-{lo + width - 1:<4d} truth {t:6.3f}  model {m:6.3f}  {'#' * round(40 * t):40s}|")
     print(f"  past the chain's bound: model {past:.3g}")
-    _departures(res, curve, law, WARMUP_FRACTION * args.duration, args.duration, gamma)
+    _departures(res, curve, law, WARMUP_FRACTION * args.duration, args.duration, steps)
 
     # The decode (verify) step at each batch it ran alone: the truth against the line and the
     # calibration's staircase residual at those tokens, as the chain prices it.
@@ -153,7 +154,9 @@ def departures_by_state(
     return seconds, done[: seconds.size]
 
 
-def _departures(res: SimResult, curve: model_mod.ModeCurve, law: np.ndarray, start_s: float, end_s: float, gamma: int):
+def _departures(
+    res: SimResult, curve: model_mod.ModeCurve, law: np.ndarray, start_s: float, end_s: float, steps: float
+):
     """Completions a second by requests in the server: the truth's, what its own steps in that
     band give (n over a request's steps times the mean step), and the chain's h(n). The chain's
     h is the step's; where the truth's falls below its own steps' the requests in the server
@@ -163,16 +166,13 @@ def _departures(res: SimResult, curve: model_mod.ModeCurve, law: np.ndarray, sta
     n = np.arange(seconds.size)
     mean = float(seconds @ n / seconds.sum())
     sd = float(np.sqrt(seconds @ (n - mean) ** 2 / seconds.sum()))
-    chain_mean = float(law @ np.arange(law.size))
-    chain_sd = float(np.sqrt(law @ (np.arange(law.size) - chain_mean) ** 2))
-    steps = (res.num_drafts if gamma else res.step_seqs.sum()) / max(res.arrival_s.size, 1)
     ends = np.cumsum(res.step_s)
     late = (ends > start_s) & (ends <= end_s)
     h = np.exp(np.diff(curve.cum_log_rates))  # h(n), n = 1..
     width = max(1, round(sd / 2))
     print(
         f"\nrequests in the server (arrived, not finished): truth mean {mean:.1f} (sd {sd:.1f}), "
-        f"chain {chain_mean:.1f} (sd {chain_sd:.1f}); completions a second by n, width {width}: "
+        f"chain {_mean_sd(law)}; completions a second by n, width {width}: "
         "share of time, truth, n/(steps·mean step) of the truth's steps there, chain h(n)"
     )
     for lo in range(max(1, int(mean - 3 * sd)), int(mean + 3 * sd) + 1, width):
