@@ -6,7 +6,9 @@ chain (queueing.stationary_law) and step line say: the time split of a request, 
 number running (time-weighted), and the decode step's cost at each batch it ran. The model is
 the one the pipeline calibrated (DIR/calibration.json from bench_fidelity.py), given the run's
 measured workload from DIR/load-WORKLOAD.csv, as ``validate`` gives it; the truth's internals are
-read only here, to find which term misses, never to fit one. Prints figures; asserts nothing.
+read only here, to find which term misses, never to fit one. Beside the chain's law it prints
+the law with arrivals in bursts (:func:`burst_law`: prompts that stall the batch; README
+*Stop 49*). Prints figures; asserts nothing.
 
     python bench/bench_batch_law.py bench/results/fidelity-a100-coarse-prefix --truth a100-coarse \\
         --workload system_prompt --draft-length 4 --rate 3
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +34,71 @@ from controller.validation import _alpha
 
 WARMUP_FRACTION = 0.1  # as the load test: the first tenth fills the server
 MIN_STEPS = 50  # a batch size's decode steps shown when at least this many ran
+MAX_PROMPT_SHARE = 0.95  # past it a burst never ends: the token budget sets the limit first
 
 
 def _mean_sd(law: np.ndarray) -> str:
     n = np.arange(law.size)
     mean = float(law @ n) / float(law.sum())
     return f"{mean:.1f} (sd {float(np.sqrt(law @ (n - mean) ** 2 / law.sum())):.1f})"
+
+
+def length_overlap(mean: float, sd: float, points: int = 40_000) -> float:
+    """κ = ∫ P(S > x)² dx / E[S] = E[min(S₁, S₂)] / E[S] for a gamma law of this mean and sd:
+    how long two requests that arrive together stay together (1 for equal lengths, 1/2 for
+    exponential ones). In an infinite-server queue fed by bursts of mean index I (E[X²]/E[X]),
+    Var(n)/E[n] = 1 + (I − 1)·κ."""
+    if mean <= 0.0 or sd <= 1e-6 * mean:
+        return 1.0
+    shape = (mean / sd) ** 2
+    # On a log grid (the density diverges at 0 when the shape is below 1): x = mean·e^u.
+    u = np.linspace(-40.0 / min(shape, 1.0), math.log(1.0 + 12.0 * sd / mean + 40.0 / shape), points)
+    du = u[1] - u[0]
+    z = shape * np.exp(u)  # x·shape/mean
+    mass = np.exp(shape * np.log(z) - z - math.lgamma(shape)) * du  # pdf(x)·dx = pdf·x·du
+    survival = np.clip(1.0 - (np.cumsum(mass) - 0.5 * mass), 0.0, 1.0)
+    return float(np.sum(survival**2 * np.exp(u)) * du)
+
+
+def burst_ratio(prompt_share: float, overlap: float) -> float:
+    """r of the geometric bursts (P(X ≥ k + 1 | X ≥ k) = r) that give a chain with memoryless
+    departures the count's variance of an infinite server fed by Borel bursts.
+
+    Every prompt stalls the running batch by its prefill, Δ, and the requests that arrive during
+    a stall are prefilled in the next step, stalling it again: counted in decode steps, requests
+    arrive in families whose size is Borel with p = λ·Δ (the prefill's share of the time), index
+    I = E[X²]/E[X] = 1/(1 − p)². Geometric bursts of ratio r have index (1 + r)/(1 − r), and with
+    memoryless departures (overlap 1/2) they give Var/E = (1 + I)/2: r matches
+    1 + 2·κ·(I − 1) (:func:`length_overlap`)."""
+    p = min(max(prompt_share, 0.0), MAX_PROMPT_SHARE)
+    index = 1.0 + 2.0 * overlap * (1.0 / (1.0 - p) ** 2 - 1.0)
+    return (index - 1.0) / (index + 1.0)
+
+
+def burst_law(
+    rate: float, departure_rps: np.ndarray, prompt_s: np.ndarray, ratio: float, tail_rps: float, tail_states: int
+) -> np.ndarray:
+    """P(n), n = 0..N + ``tail_states``, of the chain whose arrivals come in geometric bursts of
+    ratio r (rate λ·(1 − r), mean size 1/(1 − r)) and whose departures are the decode's alone.
+
+    The chain's h(n) = n / T(n − 1) prices every prompt a request meets, its own and the n − 1
+    others' (``prompt_s``, Δ(n − 1) each), as if they came at the state's own rate h(n); here the
+    others' come at λ, as stalls of the whole batch: h'(n) = h(n)·(1 − λ·Δ)/(1 − h·Δ·(n − 1)/n).
+    Past the chain's states the queue is served at ``tail_rps``. Across the cut below m the
+    bursts from every j < m that reach m balance the departures out of m:
+    π(m)·h'(m) = λ·(1 − r)·Σ_{j<m} π(j)·r^(m−1−j), so π(m) = c(m)·Π_{k<m}(r + c(k)),
+    c = λ·(1 − r)/h'. With r = 0 it is the birth–death chain's law.
+    """
+    n = np.arange(1.0, departure_rps.size + 1.0)
+    share = np.minimum(departure_rps * prompt_s * (n - 1.0) / n, MAX_PROMPT_SHARE)
+    stalled = np.maximum(1.0 - rate * prompt_s, 1.0 - MAX_PROMPT_SHARE)
+    h = np.concatenate((departure_rps * stalled / (1.0 - share), np.full(tail_states, tail_rps)))
+    c = rate * (1.0 - ratio) / h
+    log_p = np.zeros(h.size + 1)
+    log_p[1:] = np.log(c)
+    log_p[2:] += np.cumsum(np.log(ratio + c[:-1]))
+    p = np.exp(log_p - log_p.max())
+    return p / p.sum()
 
 
 def main() -> None:
@@ -96,6 +158,7 @@ def main() -> None:
         m = law[lo : lo + width].sum()
         print(f"  {lo:4d}-{lo + width - 1:<4d} truth {t:6.3f}  model {m:6.3f}  {'#' * round(40 * t):40s}|")
     print(f"  past the chain's bound: model {past:.3g}")
+    _bursts(args.rate, curve, row, law)
     _departures(res, curve, law, WARMUP_FRACTION * args.duration, args.duration, steps)
 
     # The decode (verify) step at each batch it ran alone: the truth against the line and the
@@ -134,6 +197,22 @@ def main() -> None:
         )
         if not gamma:
             _by_chunk(lm.target, seqs[mixed], prompt_tokens, extra)
+
+
+def _bursts(rate: float, curve: model_mod.ModeCurve, row: cal_mod.LoadRow, law: np.ndarray) -> None:
+    """The law of requests when prompts stall the batch and arrivals come in bursts (README
+    *Stop 49*): its mean and sd beside the chain's. A diagnostic of the law's width, not the
+    model's latency."""
+    h = np.exp(np.diff(curve.cum_log_rates))
+    prompt_s = np.array([curve.prompt(b) for b in range(h.size)])
+    share = rate * curve.prompt(curve.batch(rate))
+    overlap = length_overlap(row.mean_gen_tokens, row.gen_tokens_std or 0.0)
+    ratio = burst_ratio(share, overlap)
+    bursts = burst_law(rate, h, prompt_s, ratio, curve.stability_limit_rps, 4 * h.size)
+    print(
+        f"  bursts (prefill share λ·Δ {share:.3f}, length overlap κ {overlap:.3f}, ratio r {ratio:.3f}): "
+        f"{_mean_sd(bursts)}; the chain {_mean_sd(law)}"
+    )
 
 
 def departures_by_state(
