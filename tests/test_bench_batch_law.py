@@ -104,8 +104,7 @@ def test_length_overlap_is_how_long_two_requests_stay_together(monkeypatch):
     assert abs(mod.length_overlap(280.0, 280.0) - 0.5) < 1e-6  # exponential: E[min] = E/2
     # Gamma of shape 2 (mean 1, rate 2): ∫ ((1 + 2x)·e^(−2x))² dx = 1/4 + 1/4 + 1/8.
     assert abs(mod.length_overlap(1.0, 1.0 / np.sqrt(2.0)) - 0.625) < 1e-5
-    # Against E[min(S₁, S₂)]/E[S] drawn, for a shape above 1 and one below (a density that
-    # diverges at 0).
+    # The closed form against E[min(S₁, S₂)]/E[S] drawn, for a shape above 1 and one below.
     rng = np.random.default_rng(3)
     for cv in (0.5, 1.5):
         shape = 1.0 / cv**2
