@@ -34,7 +34,6 @@ from controller.validation import _alpha
 
 WARMUP_FRACTION = 0.1  # as the load test: the first tenth fills the server
 MIN_STEPS = 50  # a batch size's decode steps shown when at least this many ran
-MAX_PROMPT_SHARE = 0.95  # past it a burst never ends: the token budget sets the limit first
 
 
 def _mean_sd(law: np.ndarray) -> str:
@@ -68,7 +67,7 @@ def burst_ratio(prompt_share: float, overlap: float) -> float:
     I = E[X²]/E[X] = 1/(1 − p)². Geometric bursts of ratio r have index (1 + r)/(1 − r), and with
     memoryless departures (overlap 1/2) they give Var/E = (1 + I)/2: r matches
     1 + 2·κ·(I − 1) (:func:`length_overlap`)."""
-    p = min(max(prompt_share, 0.0), MAX_PROMPT_SHARE)
+    p = min(max(prompt_share, 0.0), model_mod.MAX_PROMPT_SHARE)
     index = 1.0 + 2.0 * overlap * (1.0 / (1.0 - p) ** 2 - 1.0)
     return (index - 1.0) / (index + 1.0)
 
@@ -85,11 +84,11 @@ def burst_law(
     Past the chain's states the queue is served at ``tail_rps``. Across the cut below m the
     bursts from every j < m that reach m balance the departures out of m:
     π(m)·h'(m) = λ·(1 − r)·Σ_{j<m} π(j)·r^(m−1−j), so π(m) = c(m)·Π_{k<m}(r + c(k)),
-    c = λ·(1 − r)/h'. With r = 0 it is the birth–death chain's law.
+    c = λ·(1 − r)/h'. With r = 0 and no prompts it is the birth–death chain's law.
     """
     n = np.arange(1.0, departure_rps.size + 1.0)
-    share = np.minimum(departure_rps * prompt_s * (n - 1.0) / n, MAX_PROMPT_SHARE)
-    stalled = np.maximum(1.0 - rate * prompt_s, 1.0 - MAX_PROMPT_SHARE)
+    share = np.minimum(departure_rps * prompt_s * (n - 1.0) / n, model_mod.MAX_PROMPT_SHARE)
+    stalled = np.maximum(1.0 - rate * prompt_s, 1.0 - model_mod.MAX_PROMPT_SHARE)
     h = np.concatenate((departure_rps * stalled / (1.0 - share), np.full(tail_states, tail_rps)))
     c = rate * (1.0 - ratio) / h
     log_p = np.zeros(h.size + 1)
@@ -156,8 +155,9 @@ def main() -> None:
         m = law[lo : lo + width].sum()
         print(f"  {lo:4d}-{lo + width - 1:<4d} truth {t:6.3f}  model {m:6.3f}  {'#' * round(40 * t):40s}|")
     print(f"  past the chain's bound: model {past:.3g}")
-    _bursts(args.rate, curve, row, law)
-    _departures(res, curve, law, WARMUP_FRACTION * args.duration, args.duration, steps)
+    h = np.exp(np.diff(curve.cum_log_rates))  # the chain's h(n), n = 1..
+    _bursts(args.rate, curve, h, row, law)
+    _departures(res, h, law, WARMUP_FRACTION * args.duration, args.duration, steps)
 
     # The decode (verify) step at each batch it ran alone: the truth against the line and the
     # calibration's staircase residual at those tokens, as the chain prices it.
@@ -197,11 +197,10 @@ def main() -> None:
             _by_chunk(lm.target, seqs[mixed], prompt_tokens, extra)
 
 
-def _bursts(rate: float, curve: model_mod.ModeCurve, row: cal_mod.LoadRow, law: np.ndarray) -> None:
+def _bursts(rate: float, curve: model_mod.ModeCurve, h: np.ndarray, row: cal_mod.LoadRow, law: np.ndarray) -> None:
     """The law of requests when prompts stall the batch and arrivals come in bursts (README
     *Stop 49*): its mean and sd beside the chain's. A diagnostic of the law's width, not the
     model's latency."""
-    h = np.exp(np.diff(curve.cum_log_rates))
     prompt_s = np.array([curve.prompt(b) for b in range(h.size)])
     share = rate * curve.prompt(curve.batch(rate))
     overlap = length_overlap(row.mean_gen_tokens, row.gen_tokens_std or 0.0)
@@ -231,9 +230,7 @@ def departures_by_state(
     return seconds, done[: seconds.size]
 
 
-def _departures(
-    res: SimResult, curve: model_mod.ModeCurve, law: np.ndarray, start_s: float, end_s: float, steps: float
-):
+def _departures(res: SimResult, h: np.ndarray, law: np.ndarray, start_s: float, end_s: float, steps: float):
     """Completions a second by requests in the server: the truth's, what its own steps in that
     band give (n over a request's steps times the mean step), and the chain's h(n). The chain's
     h is the step's; where the truth's falls below its own steps' the requests in the server
@@ -245,7 +242,6 @@ def _departures(
     sd = float(np.sqrt(seconds @ (n - mean) ** 2 / seconds.sum()))
     ends = np.cumsum(res.step_s)
     late = (ends > start_s) & (ends <= end_s)
-    h = np.exp(np.diff(curve.cum_log_rates))  # h(n), n = 1..
     width = max(1, round(sd / 2))
     print(
         f"\nrequests in the server (arrived, not finished): truth mean {mean:.1f} (sd {sd:.1f}), "
