@@ -2,13 +2,13 @@
 
 A validated run says only that the mean latency is off. This re-runs one of its points on the
 step simulation and sets, side by side, what the truth's step log shows and what the model's
-chain (queueing.stationary_law) and step line say: the time split of a request, the law of the
+law of requests and step line say: the time split of a request, the law of the
 number running (time-weighted), and the decode step's cost at each batch it ran. The model is
 the one the pipeline calibrated (DIR/calibration.json from bench_fidelity.py), given the run's
 measured workload from DIR/load-WORKLOAD.csv, as ``validate`` gives it; the truth's internals are
-read only here, to find which term misses, never to fit one. Beside the chain's law it prints
-the law with arrivals in bursts (:func:`burst_law`: prompts that stall the batch; README
-*Stop 49*). Prints figures; asserts nothing.
+read only here, to find which term misses, never to fit one. The model's law is the one with
+arrivals in bursts where prompts stall the batch (queueing.burst_law; README *Stop 49*), printed
+beside the birth–death chain's it replaced. Prints figures; asserts nothing.
 
     python bench/bench_batch_law.py bench/results/fidelity-a100-coarse-prefix --truth a100-coarse \\
         --workload system_prompt --draft-length 4 --rate 3
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from bench_fidelity import TRUTHS  # the truths by name (this script's folder is
 
 from controller import calibration as cal_mod
 from controller import model as model_mod
-from controller.queueing import stationary_law
+from controller.queueing import burst_law, burst_ratio_at, stationary_law
 from controller.sim.simserver import serve
 from controller.sim.stepsim import SimResult
 from controller.sim.truth_workloads import poisson_load
@@ -40,62 +39,6 @@ def _mean_sd(law: np.ndarray) -> str:
     n = np.arange(law.size)
     mean = float(law @ n) / float(law.sum())
     return f"{mean:.1f} (sd {float(np.sqrt(law @ (n - mean) ** 2 / law.sum())):.1f})"
-
-
-def length_overlap(mean: float, sd: float) -> float:
-    """κ = ∫ P(S > x)² dx / E[S] = E[min(S₁, S₂)] / E[S] for a gamma law of this mean and sd:
-    how long two requests that arrive together stay together (1 for equal lengths, 1/2 for
-    exponential ones). In an infinite-server queue fed by bursts of index I (E[X²]/E[X]),
-    Var(n)/E[n] = 1 + (I − 1)·κ.
-
-    E[min] = E[S] − E|S₁ − S₂|/2, and a gamma of shape k has the mean difference
-    E|S₁ − S₂| = 2·E[S]·Γ(k + ½)/(√π·Γ(k + 1)): κ = 1 − Γ(k + ½)/(√π·Γ(k + 1)), k = (mean/sd)²
-    (1/2 at k = 1, 5/8 at k = 2, 1 − 1/√(πk) as k grows)."""
-    if mean <= 0.0 or sd <= 1e-6 * mean:
-        return 1.0
-    shape = (mean / sd) ** 2
-    return 1.0 - math.exp(math.lgamma(shape + 0.5) - math.lgamma(shape + 1.0)) / math.sqrt(math.pi)
-
-
-def burst_ratio(prompt_share: float, overlap: float) -> float:
-    """r of the geometric bursts (P(X ≥ k + 1 | X ≥ k) = r) that give a chain with memoryless
-    departures the count's variance of an infinite server fed by Borel bursts.
-
-    Every prompt stalls the running batch by its prefill, Δ, and the requests that arrive during
-    a stall are prefilled in the next step, stalling it again: counted in decode steps, requests
-    arrive in families whose size is Borel with p = λ·Δ (the prefill's share of the time), index
-    I = E[X²]/E[X] = 1/(1 − p)². Geometric bursts of ratio r have index (1 + r)/(1 − r), and with
-    memoryless departures (overlap 1/2) they give Var/E = (1 + I)/2: r matches
-    1 + 2·κ·(I − 1) (:func:`length_overlap`)."""
-    p = min(max(prompt_share, 0.0), model_mod.MAX_PROMPT_SHARE)
-    index = 1.0 + 2.0 * overlap * (1.0 / (1.0 - p) ** 2 - 1.0)
-    return (index - 1.0) / (index + 1.0)
-
-
-def burst_law(
-    rate: float, departure_rps: np.ndarray, prompt_s: np.ndarray, ratio: float, tail_rps: float, tail_states: int
-) -> np.ndarray:
-    """P(n), n = 0..N + ``tail_states``, of the chain whose arrivals come in geometric bursts of
-    ratio r (rate λ·(1 − r), mean size 1/(1 − r)) and whose departures are the decode's alone.
-
-    The chain's h(n) = n / T(n − 1) prices every prompt a request meets, its own and the n − 1
-    others' (``prompt_s``, Δ(n − 1) each), as if they came at the state's own rate h(n); here the
-    others' come at λ, as stalls of the whole batch: h'(n) = h(n)·(1 − λ·Δ)/(1 − h·Δ·(n − 1)/n).
-    Past the chain's states the queue is served at ``tail_rps``. Across the cut below m the
-    bursts from every j < m that reach m balance the departures out of m:
-    π(m)·h'(m) = λ·(1 − r)·Σ_{j<m} π(j)·r^(m−1−j), so π(m) = c(m)·Π_{k<m}(r + c(k)),
-    c = λ·(1 − r)/h'. With r = 0 and no prompts it is the birth–death chain's law.
-    """
-    n = np.arange(1.0, departure_rps.size + 1.0)
-    share = np.minimum(departure_rps * prompt_s * (n - 1.0) / n, model_mod.MAX_PROMPT_SHARE)
-    stalled = np.maximum(1.0 - rate * prompt_s, 1.0 - model_mod.MAX_PROMPT_SHARE)
-    h = np.concatenate((departure_rps * stalled / (1.0 - share), np.full(tail_states, tail_rps)))
-    c = rate * (1.0 - ratio) / h
-    log_p = np.zeros(h.size + 1)
-    log_p[1:] = np.log(c)
-    log_p[2:] += np.cumsum(np.log(ratio + c[:-1]))
-    p = np.exp(log_p - log_p.max())
-    return p / p.sum()
 
 
 def main() -> None:
@@ -144,7 +87,8 @@ def main() -> None:
     if not args.rate < limit:
         return
 
-    law, past = stationary_law(args.rate, curve.cum_log_rates, limit)
+    chain_law, past = stationary_law(args.rate, curve.cum_log_rates, limit)
+    law, past = (chain_law, past) if curve.bursts is None else burst_law(args.rate, curve.bursts, limit)
     running = res.step_running[late]
     truth_law = np.bincount(running, weights=dur) / dur.sum()
     width = max(1, int(np.ceil(max(running.max(), 1) / 16)))
@@ -156,7 +100,7 @@ def main() -> None:
         print(f"  {lo:4d}-{lo + width - 1:<4d} truth {t:6.3f}  model {m:6.3f}  {'#' * round(40 * t):40s}|")
     print(f"  past the chain's bound: model {past:.3g}")
     h = np.exp(np.diff(curve.cum_log_rates))  # the chain's h(n), n = 1..
-    _bursts(args.rate, curve, h, row, law)
+    _bursts(args.rate, curve, chain_law)
     _departures(res, h, law, WARMUP_FRACTION * args.duration, args.duration, steps)
 
     # The decode (verify) step at each batch it ran alone: the truth against the line and the
@@ -197,18 +141,18 @@ def main() -> None:
             _by_chunk(lm.target, seqs[mixed], prompt_tokens, extra)
 
 
-def _bursts(rate: float, curve: model_mod.ModeCurve, h: np.ndarray, row: cal_mod.LoadRow, law: np.ndarray) -> None:
-    """The law of requests when prompts stall the batch and arrivals come in bursts (README
-    *Stop 49*): its mean and sd beside the chain's. A diagnostic of the law's width, not the
-    model's latency."""
-    prompt_s = np.array([curve.prompt(b) for b in range(h.size)])
+def _bursts(rate: float, curve: model_mod.ModeCurve, chain_law: np.ndarray) -> None:
+    """The terms of the model's law when prompts stall the batch and arrivals come in bursts
+    (queueing.burst_law; README *Stop 49*, *Stop 50*), and its mean and sd beside the birth–death
+    chain's, which it replaced where the workload has prompts."""
+    if curve.bursts is None:
+        return
+    ratio = float(burst_ratio_at(rate, curve.bursts))
     share = rate * curve.prompt(curve.batch(rate))
-    overlap = length_overlap(row.mean_gen_tokens, row.gen_tokens_std or 0.0)
-    ratio = burst_ratio(share, overlap)
-    bursts = burst_law(rate, h, prompt_s, ratio, curve.stability_limit_rps, 4 * h.size)
+    law, _past = burst_law(rate, curve.bursts, curve.stability_limit_rps)
     print(
-        f"  bursts (prefill share λ·Δ {share:.3f}, length overlap κ {overlap:.3f}, ratio r {ratio:.3f}): "
-        f"{_mean_sd(bursts)}; the chain {_mean_sd(law)}"
+        f"  bursts (prefill share λ·Δ {share:.3f}, length overlap κ {curve.bursts.overlap:.3f}, "
+        f"ratio r {ratio:.3f}): {_mean_sd(law)}; the chain {_mean_sd(chain_law)}"
     )
 
 

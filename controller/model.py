@@ -45,9 +45,16 @@ from numpy.typing import ArrayLike
 
 from controller.acceptance import accepted_length as _accepted_length
 from controller.queueing import (
+    MAX_PROMPT_SHARE,
     MAX_STATES,
+    Bursts,
+    burst_product_fits,
+    burst_time_in_system,
+    burst_time_in_system_below,
+    bursts_of,
     cumulative_log_rates,
     inverse_rates,
+    length_overlap,
     mean_time_in_system,
     mean_time_in_system_below,
     mean_time_in_system_many,
@@ -643,6 +650,9 @@ class ModeCurve:
     cache_fill_limit_rps: float = math.nan
     # q = E[Δ²]/E[Δ]² over the prompt lengths: the wait's bunched excess (bunched_wait_excess).
     prompt_q: float = 1.0
+    # With prompts, the chain with arrivals in bursts (queueing.burst_time_in_system) the
+    # latency is read from; None: the birth–death chain of cum_log_rates.
+    bursts: Bursts | None = field(default=None, compare=False, repr=False)
 
     @property
     def metastable_band_rps(self) -> tuple[float, float]:
@@ -712,12 +722,19 @@ class ModeCurve:
             return math.inf
         if rate_rps <= 0.0:
             return self.alone_s
+        if self.bursts is not None:
+            return burst_time_in_system(rate_rps, self.bursts, limit, self.bursts_fit)
         return mean_time_in_system(rate_rps, self.cum_log_rates, limit, self.inverse_rates)
 
     @functools.cached_property
     def inverse_rates(self) -> np.ndarray | None:
         """1/h(n) of the chain, taken once: every evaluation after multiplies, not exponentiates."""
         return inverse_rates(self.cum_log_rates, self.stability_limit_rps)
+
+    @functools.cached_property
+    def bursts_fit(self) -> bool:
+        """Whether the bursts' running product fits a float below the limit, taken once."""
+        return self.bursts is not None and burst_product_fits(self.bursts, self.stability_limit_rps)
 
     @property
     def alone_s(self) -> float:
@@ -729,12 +746,18 @@ class ModeCurve:
         rates = np.asarray(rates_rps, dtype=float)
         limit = self.stability_limit_rps
         live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
-        t = mean_time_in_system_many(np.where(live, rates, 0.5 * limit), self.cum_log_rates, limit, self.inverse_rates)
+        at = np.where(live, rates, 0.5 * limit)
+        if self.bursts is not None:
+            t = burst_time_in_system_below(at, self.bursts, limit, self.bursts_fit)
+        else:
+            t = mean_time_in_system_many(at, self.cum_log_rates, limit, self.inverse_rates)
         out = np.where(live, t, np.where(rates > 0.0, math.inf, self.alone_s))
         return out.tolist()
 
     def latencies_below_limit_s(self, rates_rps: np.ndarray) -> np.ndarray:
         """:meth:`latencies_s` at rates all in (0, the limit), unchecked (a grid below it)."""
+        if self.bursts is not None:
+            return burst_time_in_system_below(rates_rps, self.bursts, self.stability_limit_rps, self.bursts_fit)
         return mean_time_in_system_below(rates_rps, self.cum_log_rates, self.stability_limit_rps, self.inverse_rates)
 
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
@@ -751,7 +774,7 @@ class ModeCurve:
             return self.latency_scaled_s(rate_rps, cost_scale)
         s = cost_scale
         return s * mean_time_in_window(
-            rate_rps * s, self.cum_log_rates, self.stability_limit_rps, duration_s / s, warmup_s / s
+            rate_rps * s, self.cum_log_rates, self.stability_limit_rps, duration_s / s, warmup_s / s, self.bursts
         )
 
     def throughput_at_batch(self, batch: float, budget: float | None, prompt_tokens: float) -> float:
@@ -1011,7 +1034,7 @@ def _chain_terms(
 
 
 def _finish_curve(
-    model: LatencyModel, workload: Workload, c: _ChainTerms, chain: np.ndarray, gained: float
+    model: LatencyModel, workload: Workload, c: _ChainTerms, chain: np.ndarray, gained: float, stall: np.ndarray | None
 ) -> ModeCurve:
     """The curve from its chain: the limit and what sets it."""
     # Prompts sharing a step raise every state's departure rate; the continuous peak the sweep
@@ -1053,6 +1076,9 @@ def _finish_curve(
         reason,
         fill,
         c.q,
+        None
+        if stall is None
+        else bursts_of(chain, stall, length_overlap(c.gen_tokens, math.sqrt(workload.gen_tokens_var))),
     )
     if budget is not None and p > 0:
         limit = _budget_limit(curve, float(budget), p, None if c.chunking is None else c.chunking[0])
@@ -1082,7 +1108,7 @@ def build_curves(model: LatencyModel, workload: Workload, keys: Sequence[CurveKe
     one array, the same arithmetic per element as one at a time.
     """
     parts = [_chain_terms(model, workload, *key) for key in keys]
-    chains: list[tuple[np.ndarray, float] | None] = [None] * len(parts)
+    chains: list[tuple[np.ndarray, float, np.ndarray | None] | None] = [None] * len(parts)
     groups: dict[tuple[int, bool, bool], list[int]] = {}
     for i, c in enumerate(parts):
         groups.setdefault((c.top, c.stair_s is None, c.prompt_q is None), []).append(i)
@@ -1342,11 +1368,6 @@ def _staircase(table: tuple[tuple[float, float], ...], steps: float, bound: floa
     return (steps + 0.5) * np.interp(_CHAIN_N[:top] * tokens_per_seq, tokens, residual, right=0.0)
 
 
-# Past this share of the server's time spent on prompts the bunching series is cut off: there
-# the token budget, not the wait, sets the limit (_budget_limit).
-MAX_PROMPT_SHARE = 0.95
-
-
 def bunched_wait_excess(lam, tau, delta, q: float):
     """Seconds an arrival waits for the step in flight beyond τ/2 + λ·R, when the prompts that
     arrive during a step are prefilled together in the next one.
@@ -1399,7 +1420,7 @@ def _branching_sums(points: int = 384, terms: int = 800) -> tuple[np.ndarray, np
 _BRANCHING = _branching_sums()
 
 
-def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]]:
+def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float, np.ndarray | None]]:
     """Each curve's chain, cumulative log departure rates: with n in the server, h(n) =
     n / T(n − 1); and how much prompts sharing a step and the staircase raise the best state's
     rate (1.0 without ``sharing`` and ``stair_s``). The curves have the same states (``top``),
@@ -1412,12 +1433,15 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
     before it, as the server does, which runs every request it has.
 
     The prompts that arrive during a step are prefilled together in the next one. With J of
-    them (Poisson, mean μ = λ·S, S = τ/(1 − λ·Δ) the mean step with its prompts) and a step's
-    prompt cost C(J) = Δ₁ + (J − 1)·Δ₂, a prompt costs on average E[C(J)]/E[J] = Δ₁ − gap·f(μ),
-    f(μ) = 1 − (1 − e^{−μ})/μ (≈ μ/2 on a quiet server): each of the B + 1 prompts a request
-    meets costs it that much less. In state n the rate is the state's own, λ = B/T(B), so the
-    saving depends on T; one pass from the unshared T is within ~2e-5 of the fixed point (the
-    saving is a few % of T and moves μ by as little again).
+    them (mean μ = λ·S, S = τ/(1 − λ·Δ) the mean step with its prompts) and a step's prompt
+    cost C(J) = Δ₁ + (J − 1)·Δ₂, a prompt costs on average E[C(J)]/E[J] = Δ₁ − gap·f,
+    f = 1 − P(J ≥ 1)/μ, P(J ≥ 1) from the branching count (:func:`prompt_step_share`; long
+    steps breed long steps, so fewer steps carry the same prompts than a Poisson count's
+    1 − e^{−μ}): each of the B + 1 prompts a request meets costs it that much less. In state n
+    the rate is the state's own, λ = B/T(B), so the saving depends on T; one pass from the
+    unshared T is within ~5e-4 of the fixed point (the saving is a few % of T and moves μ by
+    little). What each prompt met then costs, Δ less the saving (and the chunks past the
+    token budget), is the stall of the bursts' chain (:class:`queueing.Bursts`).
 
     ``prompt_q`` (q = E[Δ²]/E[Δ]²; None without prompts) adds what the step in flight's wait
     misses when prompts bunch: see :func:`bunched_wait_excess`, at the state's own λ = B/T(B).
@@ -1455,6 +1479,7 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
     b4r *= b4
     t = 0.5 * (x + np.sqrt(x * x + b4r))  # _with_wait, one row per state
     gained = np.ones(rows)
+    stall = None
     stair_s = None if curves[0].stair_s is None else np.array([c.stair_s for c in curves])
     prompt_q = curves[0].prompt_q
     shared = any(c.sharing is not None for c in curves)
@@ -1464,6 +1489,7 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
         tau, delta = s0 + s1 * b, d0 + d1 * b
         lam = b / t
         lam[..., 0] = 1e-300  # B = 0: no one shares the step; f(μ → 0) = 0 without 0/0
+        stall = delta  # what each prompt met costs the batch: a stall, in the bursts' chain
         tread = column([c.prompt_tread for c in curves])
         if stair_s is not None and np.any(tread != 1.0):
             # The steps that carry a prompt keep only part of the tread.
@@ -1478,7 +1504,9 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
                     gap[row] = others * cum_w[i] - cum_wat[i]
             # The step with its prompts; past a full step of prompts the budget limit holds.
             mu = lam * tau / np.maximum(1.0 - lam * delta, 0.05)
-            x -= gap * n * (1.0 + np.expm1(-mu) / mu)  # n·gap·f(μ)
+            saved = gap * (1.0 - prompt_step_share(lam * tau, lam * delta) / mu)  # gap·f(μ)
+            x -= n * saved
+            stall = delta - saved
             t = 0.5 * (x + np.sqrt(x * x + b4r))
         if prompt_q is not None:
             lam = b / t
@@ -1496,6 +1524,7 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
         for row, c in enumerate(curves):
             if c.chunking is not None:
                 t[row] += _CHAIN_N[:top] * c.chunking[0] + c.chunking[1] * tau[row]
+                stall[row] += c.chunking[0]
         gained = _MAX(n / t, axis=-1) / plain
     # A zero-cost calibration (refused by its loader) must not divide by zero here.
     rates = n / np.maximum(t, 1e-300)
@@ -1509,7 +1538,8 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float]
         at = [min(top, math.floor(c.peak_batch) + 1) - 1 for c in curves]
         gained = gained * (rates[range(rows), at] / smooth[range(rows), at])
     # Each its own copy: a curve kept in the cache must not hold its batch's other rows.
-    return [(row.copy(), g) for row, g in zip(chains, gained.tolist(), strict=True)]
+    stalls = [None] * rows if stall is None else [row.copy() for row in stall]
+    return [(row.copy(), g, st) for row, g, st in zip(chains, gained.tolist(), stalls, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------

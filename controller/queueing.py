@@ -16,11 +16,18 @@ and M/M/∞ (tests/test_queueing.py), and for the processor-sharing batch it is 
 the shape of the length distribution. Near the stability limit it rises smoothly to the limit
 instead of following the fixed point's fold, and past the bound the queue tail is geometric,
 so the chain is summed to the bound and the tail in closed form.
+
+Where requests bring prompts, each prefill stalls the whole batch and the arrivals during it
+stall the next step: requests arrive in bursts, and the law of n is wider than this chain's.
+:func:`burst_time_in_system` is the chain the latency is read from then (docs/model.md,
+*Arrivals in bursts*); :func:`mean_time_in_window` steps either through a finite load test.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -186,10 +193,233 @@ def _with_tail(z, first, last, top: int, rate, tail_rps: float):
     return first / z
 
 
+# --------------------------------------------------------------------------------------------
+# Arrivals in bursts: prompts stall the batch
+# --------------------------------------------------------------------------------------------
+# Counted in decode steps the server is an infinite server: every running request advances a
+# token a step, however many run. A prompt's prefill stalls the whole batch for Δ, and the
+# requests that arrive during the stall are prefilled in the next step, stalling it again: in
+# steps, requests arrive in families (Borel, p = λ·Δ), which widens the law of n well past the
+# birth–death chain's where prompts are long (docs/model.md, *The law's width*).
+
+# Past this share of the server's time spent on prompts the bunching series and the stalls are cut
+# off: there the token budget, not the wait, sets the limit (model._budget_limit).
+MAX_PROMPT_SHARE = 0.95
+
+
+class Bursts(NamedTuple):
+    """What turns a chain's departure rates into a chain with arrivals in bursts: per state
+    n = 1..N, the time per departure the decode takes (``decode_s`` = 1/h(n) − Δ) and the stall
+    of a prompt met there (``prompt_s`` = Δ(n − 1)), and how long two requests that arrive
+    together stay together (``overlap``, :func:`length_overlap`)."""
+
+    decode_s: np.ndarray
+    prompt_s: np.ndarray
+    overlap: float
+    levels: list[float]  # the chain's rates, non-decreasing: the state a rate's fixed point is in
+    # Rows summed against p(n)/λ, n = 1..N: 1, n, and the prefill an arrival finding n gets.
+    sums: np.ndarray
+    prompt_max: float  # the largest Δ: below 0.95/it no stall needs its cap
+
+
+def bursts_of(cum_log_rates: np.ndarray, prompt_s: np.ndarray, overlap: float) -> Bursts:
+    """:class:`Bursts` from a chain's ``cum_log_rates`` and each state's prompt stall Δ (n = 1..N).
+
+    Each state's time per departure keeps at least the decode's share 1 − MAX_PROMPT_SHARE: a
+    chain that prices prompts sharing a step below Δ (or a rate held up past the throughput
+    peak) must not leave a state with nothing to decode."""
+    rates = np.exp(cum_log_rates[1:] - cum_log_rates[:-1])  # h(n)
+    inverse = 1.0 / rates
+    prompt = np.asarray(prompt_s, dtype=float)
+    decode = np.maximum(inverse - prompt, (1.0 - MAX_PROMPT_SHARE) * inverse)
+    top = prompt.size
+    sums = np.empty((3, top))
+    sums[0], sums[1] = 1.0, _STATES[1 : top + 1]
+    sums[2, :-1], sums[2, -1] = prompt[1:], prompt[-1]  # one arriving to n shares its prefill's step with n
+    return Bursts(decode, prompt, float(overlap), _ACCUMULATE(rates).tolist(), sums, float(_MAX(prompt)))
+
+
+def length_overlap(mean: float, sd: float) -> float:
+    """κ = ∫ P(S > x)² dx / E[S] = E[min(S₁, S₂)] / E[S] for a gamma law of this mean and sd:
+    how long two requests that arrive together stay together (1 for equal lengths, 1/2 for
+    exponential ones). In an infinite-server queue fed by bursts of index I (E[X²]/E[X]),
+    Var(n)/E[n] = 1 + (I − 1)·κ.
+
+    E[min] = E[S] − E|S₁ − S₂|/2, and a gamma of shape k has the mean difference
+    E|S₁ − S₂| = 2·E[S]·Γ(k + ½)/(√π·Γ(k + 1)): κ = 1 − Γ(k + ½)/(√π·Γ(k + 1)), k = (mean/sd)²
+    (1/2 at k = 1, 5/8 at k = 2, 1 − 1/√(πk) as k grows)."""
+    if mean <= 0.0 or sd <= 1e-6 * mean:
+        return 1.0
+    shape = (mean / sd) ** 2
+    return 1.0 - math.exp(math.lgamma(shape + 0.5) - math.lgamma(shape + 1.0)) / math.sqrt(math.pi)
+
+
+def burst_ratio(prompt_share, overlap: float):
+    """r of the geometric bursts (P(X ≥ k + 1 | X ≥ k) = r) that give a chain with memoryless
+    departures the count's variance of an infinite server fed by Borel bursts.
+
+    Requests that arrive during a stall come in families whose size is Borel with p = λ·Δ (the
+    prompts' share of the time), index I = E[X²]/E[X] = 1/(1 − p)². Geometric bursts of ratio r
+    have index (1 + r)/(1 − r), and with memoryless departures (overlap 1/2) they give
+    Var/E = (1 + I)/2: r matches 1 + 2·κ·(I − 1) (:func:`length_overlap`). Scalars or arrays."""
+    if isinstance(prompt_share, float):  # one rate: Python floats
+        p = min(max(prompt_share, 0.0), MAX_PROMPT_SHARE)
+    else:
+        p = np.minimum(np.maximum(prompt_share, 0.0), MAX_PROMPT_SHARE)
+    excess = 2.0 * overlap * (1.0 / ((1.0 - p) * (1.0 - p)) - 1.0)  # the index less 1
+    return excess / (excess + 2.0)
+
+
+def burst_ratio_at(rate, bursts: Bursts):
+    """:func:`burst_ratio` at a rate, with Δ in the state the rate's fixed point is in (the first
+    whose rate reaches λ): the bursts are set before the law is known. Scalars or arrays."""
+    top = len(bursts.levels) - 1
+    if isinstance(rate, float):
+        at = min(bisect.bisect_left(bursts.levels, rate), top)
+        return burst_ratio(rate * bursts.prompt_s.item(at), bursts.overlap)
+    at = np.minimum(np.searchsorted(bursts.levels, rate), top)
+    return burst_ratio(rate * bursts.prompt_s[at], bursts.overlap)
+
+
+def _stretched(rate, bursts: Bursts) -> np.ndarray:
+    """``decode_s``/(1 − λ·Δ(n)) per state (a new array): the decode stretched by the others'
+    prompts, arriving at λ. ``rate`` a float, or a column of rates (one row each)."""
+    stall = bursts.prompt_s * -rate
+    stall += 1.0
+    if not isinstance(rate, float) or rate * bursts.prompt_max > MAX_PROMPT_SHARE:
+        np.maximum(stall, 1.0 - MAX_PROMPT_SHARE, out=stall)
+    return np.divide(bursts.decode_s, stall, out=stall)
+
+
+def _own_prefill_s(rate, prompt_s):
+    """A request's own prefill as a delay: its Δ stretched by the stalls of those arriving during it."""
+    if isinstance(prompt_s, float):
+        return prompt_s / (1.0 - min(rate * prompt_s, MAX_PROMPT_SHARE))
+    return prompt_s / (1.0 - np.minimum(rate * prompt_s, MAX_PROMPT_SHARE))
+
+
+def burst_time_in_system(rate_rps: float, bursts: Bursts, tail_rps: float, fits: bool = True) -> float:
+    """Mean time in system of the chain with arrivals in bursts, for a rate > 0; +inf at or past
+    ``tail_rps``.
+
+    Bursts come at λ·(1 − r), geometric of ratio r (mean 1/(1 − r)). Every prompt a request
+    meets is priced as a stall at λ, its own too: h'(n) = (1 − λ·Δ(n − 1))/``decode_s``(n); the
+    own is added back as a delay, Δ/(1 − λ·Δ) (the arrivals during it stall its first step),
+    with Δ the one an arrival gets, over the law. Across the cut below m the bursts from every
+    j < m that reach m balance the departures out of m:
+    π(m)·h'(m) = λ·(1 − r)·Σ_{j<m} π(j)·r^(m−1−j), so π(m) = c(m)·Π_{k<m}(r + c(k)),
+    c = λ·(1 − r)/h': the chain's running product with r added to each factor. Past the
+    chain's states arrivals queue one at a time (a prefill starts only with a completion
+    there): the tail is the plain chain's, λ/``tail_rps`` a state. Summed as a running product
+    where it ``fits`` a float (:func:`burst_product_fits`), else in log space.
+    """
+    if rate_rps >= tail_rps:
+        return math.inf
+    ratio = burst_ratio_at(rate_rps, bursts)
+    keep = 1.0 - ratio
+    w = _stretched(rate_rps, bursts)  # c(n)/(λ·(1 − r))
+    if not fits:
+        return _burst_time_log(rate_rps, w * keep, ratio, bursts, tail_rps)
+    # p(n)/λ = (1 − r)·w(n)·Π_{k<n}(r + λ·(1 − r)·w(k)), p(0) = 1: summed without the (1 − r),
+    # p(0) divided by it instead.
+    q = np.empty(w.size)
+    q[0] = 1.0
+    factors = w[:-1] * (rate_rps * keep)
+    factors += ratio
+    _PRODUCT(factors, out=q[1:])
+    q *= w
+    return _burst_sums(rate_rps, q, 1.0 / keep, bursts, tail_rps)
+
+
+def burst_product_fits(bursts: Bursts, tail_rps: float) -> bool:
+    """Whether :func:`burst_time_in_system`'s running product stays within a float at every rate
+    below ``tail_rps``: taken once per curve, as :func:`inverse_rates`.
+
+    With x(n) = λ·``decode_s``/(1 − λ·Δ) (rising with λ) each factor r + (1 − r)·x is below 1
+    where x is and at most x where it is not, so ln Π ≤ Σ max(ln x, 0) at the limit bounds the
+    product at every rate below it."""
+    if not 0.0 < tail_rps < math.inf:
+        return False
+    x = _stretched(float(tail_rps), bursts)
+    bound = float(np.log(np.maximum(x * tail_rps, 1.0)).sum()) + math.log(max(float(_MAX(x)), 1.0))
+    return bound < _MAX_LOG_PRODUCT
+
+
+def _burst_sums(rate, q, empty, bursts: Bursts, tail_rps: float):
+    """Time in system from q = p(n)/λ (n = 1..N; one row per rate) and p(0) = ``empty``: E[n]/λ
+    and the own prefill at the Δ an arrival gets, the queue past N geometric at λ/``tail_rps``."""
+    if q.ndim == 1:  # one rate: Python floats (numpy scalars' arithmetic is slower)
+        (z, first, prefill), last = (bursts.sums @ q).tolist(), q.item(-1)
+    else:
+        (z, first, prefill), last = bursts.sums @ q.T, q[:, -1]
+    top = bursts.prompt_s.size
+    r = rate / tail_rps
+    past = last * r / (1.0 - r)  # Σ_{k ≥ 1} p(N)·rᵏ / λ
+    total = empty + rate * (z + past)  # Σ p
+    first = first + last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)  # Σ n·p/λ
+    delta = (empty * bursts.prompt_s.item(0) + rate * (prefill + past * bursts.prompt_s.item(-1))) / total
+    return first / total + _own_prefill_s(rate, delta)
+
+
+def _burst_time_log(rate: float, u: np.ndarray, ratio: float, bursts: Bursts, tail_rps: float) -> float:
+    """:func:`burst_time_in_system`'s sums in log space, where the running product overflows."""
+    log_q = np.log(u)
+    log_q[1:] += np.cumsum(np.log(ratio + rate * u[:-1]))
+    shift = max(float(_MAX(log_q)) + math.log(rate), 0.0)
+    log_q -= shift
+    return float(_burst_sums(rate, np.exp(log_q), math.exp(-shift), bursts, tail_rps))
+
+
+def burst_time_in_system_below(rates_rps: np.ndarray, bursts: Bursts, tail_rps: float, fits: bool = True) -> np.ndarray:
+    """:func:`burst_time_in_system` at rates all in (0, ``tail_rps``), one row per rate."""
+    lam = np.asarray(rates_rps, dtype=float)
+    if not fits:
+        return np.array([burst_time_in_system(x, bursts, tail_rps, False) for x in lam.tolist()])
+    ratio = burst_ratio_at(lam, bursts)
+    keep = 1.0 - ratio
+    w = _stretched(lam[:, None], bursts)
+    q = np.empty_like(w)
+    q[:, 0] = 1.0
+    factors = w[:, :-1] * (lam * keep)[:, None]
+    factors += ratio[:, None]
+    _PRODUCT(factors, axis=1, out=q[:, 1:])
+    q *= w
+    return _burst_sums(lam, q, 1.0 / keep, bursts, tail_rps)
+
+
+def _burst_log_law(rate: float, bursts: Bursts) -> np.ndarray:
+    """ln p(n), n = 0..N, of :func:`burst_time_in_system`'s chain, unnormalized (p(0) = 1)."""
+    ratio = float(burst_ratio_at(rate, bursts))
+    c = _stretched(rate, bursts) * (rate * (1.0 - ratio))
+    log_p = np.zeros(c.size + 1)
+    log_p[1:] = np.log(c)
+    log_p[2:] += np.cumsum(np.log(ratio + c[:-1]))
+    return log_p
+
+
+def burst_law(rate_rps: float, bursts: Bursts, tail_rps: float) -> tuple[np.ndarray, float]:
+    """The stationary law of :func:`burst_time_in_system`'s chain: P(n), n = 0..N, and the mass
+    of the queue past N (as :func:`stationary_law`)."""
+    if not 0.0 < rate_rps < tail_rps:
+        raise ValueError(f"a stationary law needs 0 < rate < {tail_rps:g} req/s, got {rate_rps:g}")
+    log_p = _burst_log_law(rate_rps, bursts)
+    p = np.exp(log_p - log_p.max())
+    r = rate_rps / tail_rps
+    past = float(p[-1]) * r / (1.0 - r)
+    total = float(p.sum()) + past
+    return p / total, past / total
+
+
+# --------------------------------------------------------------------------------------------
+# A finite test from an empty server
+# --------------------------------------------------------------------------------------------
 MAX_WINDOW_STEPS = 400_000  # uniformized steps of a window (~8 s); a longer test is taken as stationary
 WINDOW_LOG_MASS = 40.0  # states whose stationary weight is below e^-40 of the mode's are left out
 WINDOW_RELAXATIONS = 1000.0  # a test this many relaxation times long is taken as stationary,
 WARMUP_RELAXATIONS = 10.0  # and so is one whose warm-up lasts this many
+# Up to this many states the window is stepped by squaring its transition matrix (log₂ steps
+# products of N×N); past it one step at a time.
+DENSE_WINDOW_STATES = 640
 
 
 def mean_time_in_window(
@@ -198,6 +428,7 @@ def mean_time_in_window(
     tail_rps: float,
     duration_s: float,
     warmup_s: float = 0.0,
+    bursts: Bursts | None = None,
 ) -> float:
     """Mean time in system of the requests that arrive in [warmup_s, duration_s) at a server
     that starts empty and gets no arrivals after ``duration_s``: what a load test of that length
@@ -207,21 +438,39 @@ def mean_time_in_window(
     The chain's law is stepped forward on its uniformized grid (steps of 1/Λ, Λ = λ + the
     fastest departure rate kept: the law stays a probability; the error is O(1/(Λ·window)),
     3e-5 relative on M/M/∞ over 60 s, 7e-4 over 5 s), the queue past the bound served at
-    ``tail_rps``. Started empty, a birth–death chain stays stochastically below its stationary
-    law, so the states are cut where that law's weight is negligible, or where the queue cannot
-    reach within the test. The arrivals of [0, x) spend ``∫₀ˣ E[n] dt + E[W(n(x))]`` in the
-    system when arrivals stop at x, W(n) = Σ_{j ≤ n} j/h(j) the time n requests take to drain;
-    the window's mean is the difference between x = ``duration_s`` and x = ``warmup_s`` over the
-    λ·(duration − warmup) arrivals between (exact for FIFO; with the batch sharing its steps the
-    warm-up's requests are slowed by later ones, which this charges to neither).
+    ``tail_rps``; with ``bursts`` the arrivals below the bound jump as
+    :func:`burst_time_in_system`'s do. Started empty, the chain stays stochastically below its
+    stationary law, so the states are cut where that law's weight is negligible, or where the
+    queue cannot reach within the test. The arrivals of [0, x) spend
+    ``∫₀ˣ E[n] dt + E[W(n(x))]`` in the system when arrivals stop at x, W(n) = Σ_{j ≤ n} j/h(j)
+    the time n requests take to drain; the window's mean is the difference between
+    x = ``duration_s`` and x = ``warmup_s`` over the λ·(duration − warmup) arrivals between
+    (exact for FIFO; with the batch sharing its steps the warm-up's requests are slowed by later
+    ones, which this charges to neither).
     """
     if rate_rps <= 0.0 or not duration_s > warmup_s >= 0.0:
         raise ValueError("a window needs a rate > 0 and 0 <= warmup < duration")
     top = cum_log_rates.size - 1
-    log_pi = _STATES[: top + 1] * math.log(rate_rps) - cum_log_rates
+    if bursts is None:
+        ratio = own = 0.0
+        h = np.exp(np.diff(cum_log_rates))  # h(1..top)
+        log_pi = _STATES[: top + 1] * math.log(rate_rps) - cum_log_rates
+
+        def stationary() -> float:
+            return mean_time_in_system(rate_rps, cum_log_rates, tail_rps)
+    else:
+        ratio = float(burst_ratio_at(rate_rps, bursts))
+        h = 1.0 / _stretched(rate_rps, bursts)
+        log_pi = _burst_log_law(rate_rps, bursts)
+        # The own prefill at the Δ an arrival gets over the stationary law (the test's is near it).
+        law = np.exp(log_pi - log_pi.max())
+        own = float(_own_prefill_s(rate_rps, float(law @ np.append(bursts.prompt_s, bursts.prompt_s[-1])) / law.sum()))
+
+        def stationary() -> float:
+            return burst_time_in_system(rate_rps, bursts, tail_rps)
+
     floor = float(log_pi.max()) - WINDOW_LOG_MASS
-    h = np.exp(np.diff(cum_log_rates))  # h(1..top)
-    tail = max(float(tail_rps), float(h[-1]))
+    tail = float(tail_rps) if bursts is not None else max(float(tail_rps), float(h[-1]))
     if log_pi[-1] < floor:
         weight = np.exp(log_pi - float(log_pi.max()))
         mean = float(weight @ _STATES[: top + 1]) / float(weight.sum())
@@ -231,7 +480,7 @@ def mean_time_in_window(
         # 1000 of them long without one (the fill-up is a 0.1 % of it).
         relax = 4.0 * spread / rate_rps
         if warmup_s >= WARMUP_RELAXATIONS * relax or duration_s >= WINDOW_RELAXATIONS * relax:
-            return mean_time_in_system(rate_rps, cum_log_rates, tail_rps)
+            return stationary()
         last = int(np.nonzero(log_pi >= floor)[0][-1]) + 2
         rates = np.concatenate(([0.0], h[:last]))
     else:  # the queue past the bound: geometric at λ/tail while stable, and reachable in the test
@@ -239,31 +488,90 @@ def mean_time_in_window(
         if rate_rps < tail:
             reach = min(reach, (float(log_pi[-1]) - floor) / math.log(tail / rate_rps))
         rates = np.concatenate(([0.0], h, np.full(math.ceil(reach) + 16, tail)))
-    n = _STATES[: rates.size] if rates.size <= _STATES.size else np.arange(rates.size, dtype=float)
-    drain = np.concatenate(([0.0], np.cumsum(n[1:] / rates[1:])))  # W(n)
     steps = math.ceil(duration_s * (rate_rps + float(rates.max())))  # the fastest state sets the grid
     if steps > MAX_WINDOW_STEPS:  # hours at hundreds of req/s: seconds of stepping for a test
-        return mean_time_in_system(rate_rps, cum_log_rates, tail_rps)  # that long is near stationary
+        return stationary()  # that long is near stationary
+    n = _STATES[: rates.size] if rates.size <= _STATES.size else np.arange(rates.size, dtype=float)
+    drain = np.concatenate(([0.0], np.cumsum(n[1:] / rates[1:])))  # W(n)
     dt = duration_s / steps
+    warm_step = round(warmup_s / dt)
+    cap = min(top, rates.size - 1)  # bursts land at most on the bound (or the cut)
     up = np.full(rates.size, rate_rps * dt)
     up[-1] = 0.0  # the cut reflects: past it the chain's weight is negligible
-    down = rates * dt
+    jumps = None
+    if ratio > 0.0 and cap > 1:
+        up[:cap] = 0.0  # below the bound arrivals come as the bursts' jumps
+        jumps = _burst_jumps(rate_rps * (1.0 - ratio) * dt, ratio, cap)
+    if rates.size <= DENSE_WINDOW_STATES:
+        matrix = np.diag(1.0 - up - rates * dt)
+        idx = np.arange(rates.size - 1)
+        matrix[idx, idx + 1] = up[:-1]
+        matrix[idx + 1, idx] = rates[1:] * dt
+        if jumps is not None:
+            matrix[:cap, 1 : cap + 1] += jumps
+            matrix[idx[:cap], idx[:cap]] -= jumps.sum(axis=1)
+        (p_warm, sum_warm), (p_end, sum_end) = _advance(matrix, n, (warm_step, steps))
+    else:
+        (p_warm, sum_warm), (p_end, sum_end) = _step(up, rates * dt, jumps, n, warm_step, steps)
+    # Trapezoids over E[n] at every step; E[n] = 0 at the empty start.
+    total_warm = dt * (sum_warm + 0.5 * float(p_warm @ n)) + float(p_warm @ drain)
+    total = dt * (sum_end + 0.5 * float(p_end @ n)) + float(p_end @ drain)
+    return (total - total_warm) / (rate_rps * (duration_s - warmup_s)) + own
+
+
+def _burst_jumps(burst_prob: float, ratio: float, cap: int) -> np.ndarray:
+    """Probabilities of a step's jump from j < ``cap`` to k = j + 1..``cap``: a burst (of
+    probability ``burst_prob``) of geometric size, those past the cap landing on it."""
+    j = np.arange(cap)[:, None]
+    gap = np.arange(1, cap + 1)[None, :] - j  # k − j
+    jumps = np.where(gap >= 1, (1.0 - ratio) * ratio ** np.maximum(gap - 1, 0), 0.0)
+    jumps[:, -1] = ratio ** (cap - 1 - j[:, 0])  # P(size ≥ cap − j)
+    return burst_prob * jumps
+
+
+def _advance(matrix: np.ndarray, n: np.ndarray, counts: tuple[int, ...]) -> list[tuple[np.ndarray, float]]:
+    """For each count s, the law after s steps from the empty state and Σ_{k<s} E_k[n], by
+    squaring: the powers P^(2^j) and Σ_{k<2^j} P^k·n, each count's bits applied as they come
+    (the powers commute)."""
+    power, mean_sum = matrix, n.copy()  # P^(2^j), Σ_{k<2^j} P^k·n
+    out = []
+    for count in counts:
+        p = np.zeros(n.size)
+        p[0] = 1.0
+        out.append([p, 0.0, count])
+    bit = 1
+    while any(count >= bit for *_, count in out):
+        for entry in out:
+            if entry[2] & bit:
+                entry[1] += float(entry[0] @ mean_sum)
+                entry[0] = entry[0] @ power
+        mean_sum = mean_sum + power @ mean_sum
+        power = power @ power
+        bit <<= 1
+    return [(p, total) for p, total, _ in out]
+
+
+def _step(
+    up: np.ndarray, down: np.ndarray, jumps: np.ndarray | None, n: np.ndarray, warm_step: int, steps: int
+) -> list[tuple[np.ndarray, float]]:
+    """:func:`_advance` one step at a time, for chains too long to square."""
     stay = 1.0 - up - down
+    if jumps is not None:
+        stay[: jumps.shape[0]] -= jumps.sum(axis=1)
+        cap = jumps.shape[0]
     up, down = up[:-1], down[1:]
-    p = np.zeros(rates.size)
+    p = np.zeros(n.size)
     p[0] = 1.0
-    warm_step = round(warmup_s / dt)
-    area = total_warm = 0.0
-    level = 0.0  # E[n] now (the server starts empty); the area by trapezoids
+    total = 0.0
+    warm = (p, 0.0)
     for k in range(steps):
         if k == warm_step:
-            total_warm = area + float(p @ drain)
+            warm = (p, total)
+        total += float(p @ n)
         nxt = p * stay
         nxt[1:] += p[:-1] * up
         nxt[:-1] += p[1:] * down
+        if jumps is not None:
+            nxt[1 : cap + 1] += p[:cap] @ jumps
         p = nxt
-        after = float(p @ n)
-        area += 0.5 * (level + after) * dt
-        level = after
-    total = area + float(p @ drain)
-    return (total - total_warm) / (rate_rps * (duration_s - warmup_s))
+    return [warm, (p, total)]

@@ -22,7 +22,12 @@ def _same(a: M.ModeCurve, b: M.ModeCurve) -> list[str]:
     bad = []
     for f in fields(M.ModeCurve):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, np.ndarray):
+        if isinstance(x, M.Bursts):  # the bursts' arrays, each as the curve's own
+            if not isinstance(y, M.Bursts) or not all(
+                np.allclose(u, v, rtol=1e-13, atol=0.0) for u, v in zip(x, y, strict=True)
+            ):
+                bad.append(f.name)
+        elif isinstance(x, np.ndarray):
             if x.shape != y.shape or not np.allclose(x, y, rtol=1e-13, atol=0.0):
                 bad.append(f.name)
         elif isinstance(x, float) and math.isnan(x):

@@ -278,3 +278,169 @@ def test_a_window_past_the_step_budget_is_taken_as_stationary():
 def test_a_window_refuses_what_is_no_window(rate, duration_s, warmup_s):
     with pytest.raises(ValueError, match="window"):
         mean_time_in_window(rate, cumulative_log_rates(np.full(10, 5.0)), 5.0, duration_s, warmup_s)
+
+
+# ------------------------------------------------------------------- arrivals in bursts
+def _infinite_server(decode_s: float, prompt_s: float, overlap: float, states: int = 800) -> tuple:
+    """T(B) = a + (B + 1)·Δ: its decode, its own prompt and the B others' (the chain's h(n) = n/T)."""
+    n = np.arange(1.0, states + 1.0)
+    cum = cumulative_log_rates(n / (decode_s + n * prompt_s))
+    return cum, queueing.bursts_of(cum, np.full(states, prompt_s), overlap)
+
+
+def _mean_var(law: np.ndarray) -> tuple[float, float]:
+    n = np.arange(law.size)
+    mean = float(law @ n)
+    return mean, float(law @ (n - mean) ** 2)
+
+
+def test_length_overlap_is_how_long_two_requests_stay_together():
+    assert queueing.length_overlap(280.0, 0.0) == 1.0  # equal lengths leave together
+    assert queueing.length_overlap(280.0, 280.0) == pytest.approx(0.5, abs=1e-6)  # exponential: E[min] = E/2
+    # Gamma of shape 2 (mean 1, rate 2): ∫ ((1 + 2x)·e^(−2x))² dx = 1/4 + 1/4 + 1/8.
+    assert queueing.length_overlap(1.0, 1.0 / math.sqrt(2.0)) == pytest.approx(0.625, abs=1e-5)
+    # The closed form against E[min(S₁, S₂)]/E[S] drawn, for a shape above 1 and one below.
+    rng = np.random.default_rng(3)
+    for cv in (0.5, 1.5):
+        shape = 1.0 / cv**2
+        s1, s2 = (rng.gamma(shape, 280.0 / shape, 400_000) for _ in range(2))
+        drawn = float(np.minimum(s1, s2).mean()) / 280.0
+        assert abs(queueing.length_overlap(280.0, 280.0 * cv) - drawn) < 0.006, (cv, drawn)
+
+
+def test_burst_ratio_matches_the_borel_familys_index():
+    assert queueing.burst_ratio(0.0, 0.7) == 0.0  # no prefill, no bursts
+    # Memoryless departures (κ = 1/2): the geometric index (1 + r)/(1 − r) is the Borel's 1/(1 − p)².
+    r = float(queueing.burst_ratio(0.4, 0.5))
+    assert (1.0 + r) / (1.0 - r) == pytest.approx(1.0 / 0.6**2, rel=1e-12)
+    assert queueing.burst_ratio(0.4, 1.0) > r > queueing.burst_ratio(0.4, 0.3)  # lengths that stay together widen it
+    np.testing.assert_allclose(queueing.burst_ratio(np.array([0.0, 0.4]), 0.5), [0.0, r])
+
+
+@pytest.mark.parametrize("rate", [0.3, 1.2, 1.9])
+def test_without_prompts_the_bursts_chain_is_the_birth_death_chain(rate):
+    # A chain that flattens, its queue served at 2 req/s: no stall, no bursts (r = 0 whatever κ).
+    h = np.minimum(np.arange(1.0, 41.0) * 0.1, 2.0)
+    cum = cumulative_log_rates(h)
+    bursts = queueing.bursts_of(cum, np.zeros(h.size), 0.7)
+    assert queueing.burst_time_in_system(rate, bursts, 2.0) == pytest.approx(
+        mean_time_in_system(rate, cum, 2.0), rel=1e-12
+    )
+    law, past = queueing.burst_law(rate, bursts, 2.0)
+    chain_law, chain_past = stationary_law(rate, cum, 2.0)
+    np.testing.assert_allclose(law, chain_law, rtol=1e-9)
+    assert past == pytest.approx(chain_past, rel=1e-9)
+
+
+@pytest.mark.parametrize("overlap", [0.5, 0.625, 1.0])
+def test_an_infinite_server_with_stalls_is_its_fixed_point_whatever_the_bursts(overlap):
+    # The others' prompts as stalls at λ: an infinite server of rate (1 − λΔ)/a per request, fed by
+    # geometric bursts; its own prompt a delay Δ/(1 − λΔ). The mean is the fixed point
+    # T = (a + Δ)/(1 − λΔ) of T = a + (λ·T + 1)·Δ, and the bursts make Var/E = 1/(1 − r)
+    # (M^X/M/∞: (1 + E[X²]/E[X])/2).
+    a, delta, rate = 2.0, 0.05, 6.0
+    cum, bursts = _infinite_server(a, delta, overlap)
+    fixed_point = (a + delta) / (1.0 - rate * delta)
+    assert queueing.burst_time_in_system(rate, bursts, 1e9) == pytest.approx(fixed_point, rel=1e-9)
+    law, past = queueing.burst_law(rate, bursts, 1e9)
+    mean, var = _mean_var(law)
+    r = float(queueing.burst_ratio(rate * delta, overlap))
+    assert r > 0.0 and past < 1e-12
+    assert mean == pytest.approx(rate * a / (1.0 - rate * delta), rel=1e-9)
+    assert var / mean == pytest.approx(1.0 / (1.0 - r), rel=1e-9)
+    # The birth–death chain of the same T holds the same mean only at no load: it prices the
+    # prompts at each state's own rate, and its law is narrower.
+    chain_law, _ = stationary_law(rate, cum, 1e9)
+    assert _mean_var(chain_law)[1] < var
+
+
+def test_the_bursts_chain_at_many_rates_is_the_one_at_each_and_sums_in_log_space_past_a_float():
+    # T(B) = 2 + (B + 1)·Δ(B), Δ growing with the batch, the throughput held at 12 req/s.
+    n, delta = np.arange(1.0, 301.0), np.linspace(0.02, 0.03, 300)
+    cum = cumulative_log_rates(np.minimum(n / (2.0 + n * delta), 12.0))
+    bursts = queueing.bursts_of(cum, delta, 0.6)
+    rates = np.array([0.5, 3.0, 9.0, 11.5, 11.99])
+    one_by_one = [queueing.burst_time_in_system(float(x), bursts, 12.0) for x in rates]
+    np.testing.assert_allclose(queueing.burst_time_in_system_below(rates, bursts, 12.0), one_by_one, rtol=1e-12)
+    assert all(np.diff(one_by_one) > 0.0)
+    # 4,000 requests near the limit: the running product overflows, the log-space sum holds.
+    n = np.arange(1.0, 4001.0)
+    cum = cumulative_log_rates(0.5 * n)
+    bursts = queueing.bursts_of(cum, np.full(n.size, 1e-4), 0.6)
+    assert not queueing.burst_product_fits(bursts, 2000.0)
+    assert queueing.burst_product_fits(bursts, 50.0)  # ~100 in the server
+    with np.errstate(over="ignore", invalid="ignore"):
+        product = queueing.burst_time_in_system(1500.0, bursts, 2000.0)
+    assert not math.isfinite(product)
+    big = queueing.burst_time_in_system(1500.0, bursts, 2000.0, fits=False)
+    assert big == pytest.approx(2.0, rel=1e-3)  # an infinite server whose T is 2 s at any load
+    below = queueing.burst_time_in_system_below(np.array([1500.0]), bursts, 2000.0, fits=False)
+    assert below[0] == pytest.approx(big, rel=1e-12)
+    # past the limit nothing is stationary
+    assert queueing.burst_time_in_system(2000.0, bursts, 2000.0) == math.inf
+
+
+@pytest.mark.parametrize(("duration_s", "warmup_s"), [(60.0, 0.0), (20.0, 15.0)])
+def test_a_window_of_independent_servers_with_bursts_sees_their_service_time(duration_s, warmup_s, monkeypatch):
+    # M^X/M/∞: bursts or not, no one waits for anyone; every arrival stays a/(1 − λΔ) and its own
+    # prompt's Δ/(1 − λΔ): the fixed point, filling or not.
+    monkeypatch.setattr(queueing, "WINDOW_RELAXATIONS", math.inf)
+    monkeypatch.setattr(queueing, "WARMUP_RELAXATIONS", math.inf)
+    a, delta, rate = 2.0, 0.05, 6.0
+    cum, bursts = _infinite_server(a, delta, 0.6, states=200)
+    window = mean_time_in_window(rate, cum, 1e9, duration_s, warmup_s, bursts)
+    assert window == pytest.approx((a + delta) / (1.0 - rate * delta), rel=2e-3)
+
+
+def _fifo_batch_window_mean_s(
+    rate: float, ratio: float, service_rate: float, duration_s: float, warmup_s: float, reps: int
+) -> tuple[float, float]:
+    """Monte Carlo of an M^X/M/1 FIFO queue started empty: bursts at λ·(1 − r), geometric of
+    ratio r; the mean sojourn of the arrivals in [warmup, duration), and its standard error."""
+    rng = np.random.default_rng(11)
+    means = []
+    for _ in range(reps):
+        starts = np.cumsum(rng.exponential(1.0 / (rate * (1.0 - ratio)), int(rate * duration_s * 2) + 100))
+        starts = starts[starts < duration_s]
+        arrive = np.repeat(starts, rng.geometric(1.0 - ratio, starts.size))
+        service = rng.exponential(1.0 / service_rate, arrive.size)
+        done, sojourn = 0.0, np.empty(arrive.size)
+        for k in range(arrive.size):
+            done = max(done, arrive[k]) + service[k]
+            sojourn[k] = done - arrive[k]
+        means.append(float(sojourn[arrive >= warmup_s].mean()))
+    return float(np.mean(means)), float(np.std(means) / math.sqrt(reps))
+
+
+def test_a_window_of_one_server_fed_by_bursts_is_what_its_arrivals_spend(monkeypatch):
+    # One server (h' = μ in every state) fed by geometric bursts, far below its bound: FIFO, so the
+    # window's arrivals spend exactly ∫E[n] + the drain; against the queue simulated, plus the own
+    # prompt's delay the chain adds.
+    monkeypatch.setattr(queueing, "WINDOW_RELAXATIONS", math.inf)
+    monkeypatch.setattr(queueing, "WARMUP_RELAXATIONS", math.inf)
+    rate, delta, mu, states = 3.0, 0.1, 5.0, 300
+    stall = 1.0 - rate * delta
+    cum = cumulative_log_rates(np.full(states, 1.0 / (stall / mu + delta)))  # 1/h = a + Δ, a = stall/μ
+    bursts = queueing.bursts_of(cum, np.full(states, delta), 0.5)
+    ratio = float(queueing.burst_ratio(rate * delta, 0.5))
+    window = mean_time_in_window(rate, cum, mu, 120.0, 20.0, bursts) - delta / stall
+    sim, se = _fifo_batch_window_mean_s(rate, ratio, mu, 120.0, 20.0, reps=300)
+    assert abs(window - sim) < 3.5 * se + 0.005 * sim, (window, sim, se)
+    # and a long window is the stationary mean
+    monkeypatch.setattr(queueing, "WINDOW_RELAXATIONS", 1000.0)
+    monkeypatch.setattr(queueing, "WARMUP_RELAXATIONS", 10.0)
+    assert mean_time_in_window(rate, cum, mu, 3600.0, 600.0, bursts) == queueing.burst_time_in_system(rate, bursts, mu)
+
+
+def test_a_window_too_long_to_square_steps_one_at_a_time_to_the_same_law(monkeypatch):
+    monkeypatch.setattr(queueing, "WINDOW_RELAXATIONS", math.inf)
+    monkeypatch.setattr(queueing, "WARMUP_RELAXATIONS", math.inf)
+    rate, delta, mu = 3.0, 0.1, 5.0
+    stall = 1.0 - rate * delta
+    cum = cumulative_log_rates(np.full(300, 1.0 / (stall / mu + delta)))
+    bursts = queueing.bursts_of(cum, np.full(300, delta), 0.5)
+    squared = mean_time_in_window(rate, cum, mu, 30.0, 5.0, bursts)
+    plain = mean_time_in_window(rate, cum, mu, 30.0, 5.0)
+    monkeypatch.setattr(queueing, "DENSE_WINDOW_STATES", 0)
+    assert mean_time_in_window(rate, cum, mu, 30.0, 5.0, bursts) == pytest.approx(squared, rel=1e-9)
+    assert mean_time_in_window(rate, cum, mu, 30.0, 5.0) == pytest.approx(plain, rel=1e-9)
