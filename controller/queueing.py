@@ -217,7 +217,8 @@ class Bursts(NamedTuple):
     prompt_s: np.ndarray
     overlap: float
     levels: list[float]  # the chain's rates, non-decreasing: the state a rate's fixed point is in
-    # Rows summed against p(n)/λ, n = 1..N: 1, n, and the prefill an arrival finding n gets.
+    # Rows summed against the running product P(n), n = 1..N: 1, n, the prefill an arrival
+    # finding n gets, and the one finding n + 1 (none past N).
     sums: np.ndarray
     prompt_max: float  # the largest Δ: below 0.95/it no stall needs its cap
 
@@ -225,17 +226,20 @@ class Bursts(NamedTuple):
 def bursts_of(cum_log_rates: np.ndarray, prompt_s: np.ndarray, overlap: float) -> Bursts:
     """:class:`Bursts` from a chain's ``cum_log_rates`` and each state's prompt stall Δ (n = 1..N).
 
-    Each state's time per departure keeps at least the decode's share 1 − MAX_PROMPT_SHARE: a
-    chain that prices prompts sharing a step below Δ (or a rate held up past the throughput
-    peak) must not leave a state with nothing to decode."""
+    Each state keeps a decode of at least a millionth of its time per departure: a chain that
+    prices prompts sharing a step below Δ (or a rate held up past the throughput peak) must not
+    leave a state with nothing to decode. No more than that: a request with nothing to generate
+    is nearly all prefill, and a larger floor would part the chain from the request alone
+    (1/h(1)) at no load."""
     rates = np.exp(cum_log_rates[1:] - cum_log_rates[:-1])  # h(n)
     inverse = 1.0 / rates
     prompt = np.asarray(prompt_s, dtype=float)
-    decode = np.maximum(inverse - prompt, (1.0 - MAX_PROMPT_SHARE) * inverse)
+    decode = np.maximum(inverse - prompt, 1e-6 * inverse)
     top = prompt.size
-    sums = np.empty((3, top))
+    sums = np.zeros((4, top))
     sums[0], sums[1] = 1.0, _STATES[1 : top + 1]
     sums[2, :-1], sums[2, -1] = prompt[1:], prompt[-1]  # one arriving to n shares its prefill's step with n
+    sums[3, :-1] = sums[2, 1:]
     return Bursts(decode, prompt, float(overlap), _ACCUMULATE(rates).tolist(), sums, float(_MAX(prompt)))
 
 
@@ -315,20 +319,21 @@ def burst_time_in_system(rate_rps: float, bursts: Bursts, tail_rps: float, fits:
     """
     if rate_rps >= tail_rps:
         return math.inf
+    if rate_rps < VANISHING_RPS:
+        return bursts.decode_s.item(0) + bursts.prompt_s.item(0)
     ratio = burst_ratio_at(rate_rps, bursts)
-    keep = 1.0 - ratio
-    w = _stretched(rate_rps, bursts)  # c(n)/(λ·(1 − r))
+    product = _stretched(rate_rps, bursts)  # c(n)/(λ·(1 − r)), then r + c(n), then P(n)
+    product *= rate_rps * (1.0 - ratio)
+    product += ratio
     if not fits:
-        return _burst_time_log(rate_rps, w * keep, ratio, bursts, tail_rps)
-    # p(n)/λ = (1 − r)·w(n)·Π_{k<n}(r + λ·(1 − r)·w(k)), p(0) = 1: summed without the (1 − r),
-    # p(0) divided by it instead.
-    q = np.empty(w.size)
-    q[0] = 1.0
-    factors = w[:-1] * (rate_rps * keep)
-    factors += ratio
-    _PRODUCT(factors, out=q[1:])
-    q *= w
-    return _burst_sums(rate_rps, q, 1.0 / keep, bursts, tail_rps)
+        return _burst_time_log(rate_rps, product, ratio, bursts, tail_rps)
+    _PRODUCT(product, out=product)
+    return _burst_sums(rate_rps, product, 1.0, ratio, bursts, tail_rps)
+
+
+# Below this rate a request is alone: p(n) = P(n) − r·P(n − 1) would underflow to denormals (the
+# latency's relative error there is λ·T, below 1e-140).
+VANISHING_RPS = 1e-150
 
 
 def burst_product_fits(bursts: Bursts, tail_rps: float) -> bool:
@@ -345,29 +350,39 @@ def burst_product_fits(bursts: Bursts, tail_rps: float) -> bool:
     return bound < _MAX_LOG_PRODUCT
 
 
-def _burst_sums(rate, q, empty, bursts: Bursts, tail_rps: float):
-    """Time in system from q = p(n)/λ (n = 1..N; one row per rate) and p(0) = ``empty``: E[n]/λ
-    and the own prefill at the Δ an arrival gets, the queue past N geometric at λ/``tail_rps``."""
-    if q.ndim == 1:  # one rate: Python floats (numpy scalars' arithmetic is slower)
-        (z, first, prefill), last = (bursts.sums @ q).tolist(), q.item(-1)
+def _burst_sums(rate, product, empty, ratio, bursts: Bursts, tail_rps: float):
+    """Time in system from the running product P(n) = Π_{k≤n}(r + c(k)), n = 1..N (one row per
+    rate), P(0) = ``empty``: E[n]/λ and the own prefill at the Δ an arrival gets, the queue past
+    N geometric at λ/``tail_rps``.
+
+    p(n) = c(n)·P(n − 1) = P(n) − r·P(n − 1), so every sum over p is two over P, and P is all a
+    rate computes: Σp = S − r·(P(0) + S − P(N)), Σn·p = M − r·(P(0) + M − N·P(N) + S − P(N)),
+    S = ΣP(n), M = Σn·P(n)."""
+    if product.ndim == 1:  # one rate: Python floats (numpy scalars' arithmetic is slower)
+        (s, m, d1, d2), last = (bursts.sums @ product).tolist(), product.item(-1)
+        before = product.item(-2) if product.size > 1 else empty
     else:
-        (z, first, prefill), last = bursts.sums @ q.T, q[:, -1]
+        (s, m, d1, d2), last = bursts.sums @ product.T, product[:, -1]
+        before = product[:, -2] if product.shape[1] > 1 else empty
     top = bursts.prompt_s.size
+    z = s - ratio * (empty + s - last)  # Σ p(n), n ≥ 1
+    first = m - ratio * (empty + m - top * last + s - last)  # Σ n·p(n)
+    prefill = d1 - ratio * (bursts.sums.item(2, 0) * empty + d2)  # Σ Δ(n)·p(n), n ≥ 1
+    last = last - ratio * before  # p(N)
     r = rate / tail_rps
-    past = last * r / (1.0 - r)  # Σ_{k ≥ 1} p(N)·rᵏ / λ
-    total = empty + rate * (z + past)  # Σ p
-    first = first + last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)  # Σ n·p/λ
-    delta = (empty * bursts.prompt_s.item(0) + rate * (prefill + past * bursts.prompt_s.item(-1))) / total
-    return first / total + _own_prefill_s(rate, delta)
+    past = last * r / (1.0 - r)  # Σ_{k ≥ 1} p(N)·rᵏ
+    total = empty + z + past
+    first = first + last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
+    delta = (empty * bursts.prompt_s.item(0) + prefill + past * bursts.prompt_s.item(-1)) / total
+    return first / (rate * total) + _own_prefill_s(rate, delta)
 
 
-def _burst_time_log(rate: float, u: np.ndarray, ratio: float, bursts: Bursts, tail_rps: float) -> float:
+def _burst_time_log(rate: float, factors: np.ndarray, ratio: float, bursts: Bursts, tail_rps: float) -> float:
     """:func:`burst_time_in_system`'s sums in log space, where the running product overflows."""
-    log_q = np.log(u)
-    log_q[1:] += np.cumsum(np.log(ratio + rate * u[:-1]))
-    shift = max(float(_MAX(log_q)) + math.log(rate), 0.0)
-    log_q -= shift
-    return float(_burst_sums(rate, np.exp(log_q), math.exp(-shift), bursts, tail_rps))
+    log_p = np.cumsum(np.log(factors))
+    shift = max(float(_MAX(log_p)), 0.0)
+    log_p -= shift
+    return float(_burst_sums(rate, np.exp(log_p), math.exp(-shift), ratio, bursts, tail_rps))
 
 
 def burst_time_in_system_below(rates_rps: np.ndarray, bursts: Bursts, tail_rps: float, fits: bool = True) -> np.ndarray:
@@ -376,15 +391,15 @@ def burst_time_in_system_below(rates_rps: np.ndarray, bursts: Bursts, tail_rps: 
     if not fits:
         return np.array([burst_time_in_system(x, bursts, tail_rps, False) for x in lam.tolist()])
     ratio = burst_ratio_at(lam, bursts)
-    keep = 1.0 - ratio
-    w = _stretched(lam[:, None], bursts)
-    q = np.empty_like(w)
-    q[:, 0] = 1.0
-    factors = w[:, :-1] * (lam * keep)[:, None]
-    factors += ratio[:, None]
-    _PRODUCT(factors, axis=1, out=q[:, 1:])
-    q *= w
-    return _burst_sums(lam, q, 1.0 / keep, bursts, tail_rps)
+    product = _stretched(lam[:, None], bursts)
+    product *= (lam * (1.0 - ratio))[:, None]
+    product += ratio[:, None]
+    _PRODUCT(product, axis=1, out=product)
+    out = _burst_sums(lam, product, 1.0, ratio, bursts, tail_rps)
+    alone = lam < VANISHING_RPS
+    if alone.any():
+        out[alone] = bursts.decode_s.item(0) + bursts.prompt_s.item(0)
+    return out
 
 
 def _burst_log_law(rate: float, bursts: Bursts) -> np.ndarray:

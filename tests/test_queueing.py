@@ -444,3 +444,16 @@ def test_a_window_too_long_to_square_steps_one_at_a_time_to_the_same_law(monkeyp
     monkeypatch.setattr(queueing, "DENSE_WINDOW_STATES", 0)
     assert mean_time_in_window(rate, cum, mu, 30.0, 5.0, bursts) == pytest.approx(squared, rel=1e-9)
     assert mean_time_in_window(rate, cum, mu, 30.0, 5.0) == pytest.approx(plain, rel=1e-9)
+
+
+@pytest.mark.parametrize("rate", [1e-300, 1e-12, 1e-6])
+def test_the_bursts_chain_at_a_vanishing_rate_is_a_request_alone(rate):
+    # A request that is 97 % prefill (one generated token): 1/h(1) = 0.674 s, Δ = 0.654 s. At no
+    # load the chain is the request alone, 1/h(1), without a floor on the decode that would add
+    # to it, and without sums that underflow at a denormal rate.
+    n = np.arange(1.0, 9.0)
+    cum = cumulative_log_rates(n / (0.02 + n * 0.654))
+    bursts = queueing.bursts_of(cum, np.full(n.size, 0.654), 0.6)
+    alone = 0.674
+    assert queueing.burst_time_in_system(rate, bursts, 1.5) == pytest.approx(alone, rel=1e-5)
+    assert queueing.burst_time_in_system_below(np.array([rate]), bursts, 1.5)[0] == pytest.approx(alone, rel=1e-5)
