@@ -188,7 +188,7 @@ class PricingSettings(BaseModel):
         0.98,
         gt=0,
         le=1,
-        description="A state run above this fraction of its stability limit counts as overloaded when pricing. The model's latency already rises toward the limit (the batch's birth–death chain) and its limits sit within 1 % of the measured ones on the fidelity bench, so this only covers that error (twice over): lower it for a model you trust less. Too low, and a busy but stable state is left by a restart under load that costs more than hours in it (the busiest minute of a steady load is 1–1.5 req/s above it at 12 req/s).",
+        description="A state run above this fraction of its stability limit counts as overloaded when pricing. The model's latency already rises toward the limit (the batch's chain of requests in the server) and its limits sit within 1 % of the measured ones on the fidelity bench, so this only covers that error (twice over): lower it for a model you trust less. Too low, and a busy but stable state is left by a restart under load that costs more than hours in it (the busiest minute of a steady load is 1–1.5 req/s above it at 12 req/s).",
     )
     long_window_s: float = Field(
         900.0, gt=0, description="Long rate window used with the short one to project the load trend."

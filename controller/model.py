@@ -716,7 +716,7 @@ class ModeCurve:
         return self._solve(rate_rps)[1]
 
     def latency_s(self, rate_rps: float) -> float:
-        """Mean time in system at this rate over the batch's birth–death chain; inf past the limit."""
+        """Mean time in system at this rate over the batch's chain (with bursts where there are prompts); inf past the limit."""
         limit = self.stability_limit_rps
         if rate_rps >= limit * (1.0 - 1e-12):
             return math.inf
