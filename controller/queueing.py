@@ -174,23 +174,31 @@ def stationary_law(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) 
     if not 0.0 < rate_rps < tail_rps:
         raise ValueError(f"a stationary law needs 0 < rate < {tail_rps:g} req/s, got {rate_rps:g}")
     top = cum_log_rates.size - 1
-    log_p = _STATES[: top + 1] * math.log(rate_rps) - cum_log_rates
-    log_p -= log_p.max()
-    p = np.exp(log_p)
-    r = rate_rps / tail_rps
-    past = float(p[-1]) * r / (1.0 - r)  # Σ_{k ≥ 1} p(N)·rᵏ
+    return _law_with_tail(_STATES[: top + 1] * math.log(rate_rps) - cum_log_rates, rate_rps / tail_rps)
+
+
+def _law_with_tail(log_p: np.ndarray, r: float) -> tuple[np.ndarray, float]:
+    """P(n), n = 0..N, from its unnormalized logs, and the mass of the queue past N, where each
+    state's weight is the one before's times r = λ/h_tail."""
+    p = np.exp(log_p - log_p.max())
+    past = _tail_sums(float(p[-1]), 0, r)[0]
     total = float(p.sum()) + past
     return p / total, past / total
 
 
+def _tail_sums(last, top: int, r):
+    """(Σ p, Σ n·p) over the queue past ``top``, whose weights are p(top)·rᵏ, k ≥ 1 (scalars,
+    or one value per rate): ``last`` p(top) in any unit, the sums in the same."""
+    past = last * r / (1.0 - r)
+    return past, last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
+
+
 def _with_tail(z, first, last, top: int, rate, tail_rps: float):
-    """Σ n·p/λ over Σ p with the queue past ``top`` added: there each state's weight is the one
-    before's times r = λ/h_tail. ``z`` is Σ p, ``first`` Σ n·p/λ and ``last`` p(top)/λ over the
-    states up to ``top`` (scalars, or one value per rate)."""
-    r = rate / tail_rps
-    z = z + rate * last * r / (1.0 - r)
-    first = first + last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
-    return first / z
+    """Σ n·p/λ over Σ p with the queue past ``top`` added (:func:`_tail_sums`). ``z`` is Σ p,
+    ``first`` Σ n·p/λ and ``last`` p(top)/λ over the states up to ``top`` (scalars, or one value
+    per rate)."""
+    past, beyond = _tail_sums(last, top, rate / tail_rps)
+    return (first + beyond) / (z + rate * past)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +229,15 @@ class Bursts(NamedTuple):
     # finding n gets, and the one finding n + 1 (none past N).
     sums: np.ndarray
     prompt_max: float  # the largest Δ: below 0.95/it no stall needs its cap
+
+    @property
+    def alone_s(self) -> float:
+        """A request alone (no load): its decode and its own prefill, 1/h(1)."""
+        return self.decode_s.item(0) + self.prompt_s.item(0)
+
+    def arrival_prompt_s(self, law: np.ndarray) -> float:
+        """Δ an arrival gets, over a law of n = 0..N: its prefill shares a step with the n there."""
+        return (law.item(0) * self.prompt_s.item(0) + float(law[1:] @ self.sums[2])) / float(law.sum())
 
 
 def bursts_of(cum_log_rates: np.ndarray, prompt_s: np.ndarray, overlap: float) -> Bursts:
@@ -320,7 +337,7 @@ def burst_time_in_system(rate_rps: float, bursts: Bursts, tail_rps: float, fits:
     if rate_rps >= tail_rps:
         return math.inf
     if rate_rps < VANISHING_RPS:
-        return bursts.decode_s.item(0) + bursts.prompt_s.item(0)
+        return bursts.alone_s
     ratio = burst_ratio_at(rate_rps, bursts)
     product = _stretched(rate_rps, bursts)  # c(n)/(λ·(1 − r)), then r + c(n), then P(n)
     product *= rate_rps * (1.0 - ratio)
@@ -369,10 +386,9 @@ def _burst_sums(rate, product, empty, ratio, bursts: Bursts, tail_rps: float):
     first = m - ratio * (empty + m - top * last + s - last)  # Σ n·p(n)
     prefill = d1 - ratio * (bursts.sums.item(2, 0) * empty + d2)  # Σ Δ(n)·p(n), n ≥ 1
     last = last - ratio * before  # p(N)
-    r = rate / tail_rps
-    past = last * r / (1.0 - r)  # Σ_{k ≥ 1} p(N)·rᵏ
+    past, beyond = _tail_sums(last, top, rate / tail_rps)
     total = empty + z + past
-    first = first + last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
+    first = first + beyond
     delta = (empty * bursts.prompt_s.item(0) + prefill + past * bursts.prompt_s.item(-1)) / total
     return first / (rate * total) + _own_prefill_s(rate, delta)
 
@@ -398,7 +414,7 @@ def burst_time_in_system_below(rates_rps: np.ndarray, bursts: Bursts, tail_rps: 
     out = _burst_sums(lam, product, 1.0, ratio, bursts, tail_rps)
     alone = lam < VANISHING_RPS
     if alone.any():
-        out[alone] = bursts.decode_s.item(0) + bursts.prompt_s.item(0)
+        out[alone] = bursts.alone_s
     return out
 
 
@@ -417,12 +433,7 @@ def burst_law(rate_rps: float, bursts: Bursts, tail_rps: float) -> tuple[np.ndar
     of the queue past N (as :func:`stationary_law`)."""
     if not 0.0 < rate_rps < tail_rps:
         raise ValueError(f"a stationary law needs 0 < rate < {tail_rps:g} req/s, got {rate_rps:g}")
-    log_p = _burst_log_law(rate_rps, bursts)
-    p = np.exp(log_p - log_p.max())
-    r = rate_rps / tail_rps
-    past = float(p[-1]) * r / (1.0 - r)
-    total = float(p.sum()) + past
-    return p / total, past / total
+    return _law_with_tail(_burst_log_law(rate_rps, bursts), rate_rps / tail_rps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,8 +489,7 @@ def mean_time_in_window(
         h = 1.0 / _stretched(rate_rps, bursts)
         log_pi = _burst_log_law(rate_rps, bursts)
         # The own prefill at the Δ an arrival gets over the stationary law (the test's is near it).
-        law = np.exp(log_pi - log_pi.max())
-        own = float(_own_prefill_s(rate_rps, float(law @ np.append(bursts.prompt_s, bursts.prompt_s[-1])) / law.sum()))
+        own = _own_prefill_s(rate_rps, bursts.arrival_prompt_s(np.exp(log_pi - log_pi.max())))
 
         def stationary() -> float:
             return burst_time_in_system(rate_rps, bursts, tail_rps)
