@@ -17,6 +17,7 @@ beside the birth–death chain's it replaced. Prints figures; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def main() -> None:
 
     rng = np.random.default_rng(args.seed)
     truth = TRUTHS[args.truth][0]
+    budget = lm.max_num_batched_tokens  # the step budget the directory was run with (--max-num-batched-tokens)
+    if budget is not None and budget != truth.max_num_batched_tokens:
+        truth = dataclasses.replace(truth, max_num_batched_tokens=int(budget))
     res: SimResult = serve(truth.spec(gamma), poisson_load(args.rate, args.duration, args.workload, rng), rng)
     kept = res.arrival_s >= WARMUP_FRACTION * args.duration
     ends = np.cumsum(res.step_s)

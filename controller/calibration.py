@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
 from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload, stair_nodes
+from controller.treads import describe as describe_treads
+from controller.treads import tile_period
 
 SCHEMA_VERSION = 2
 BENCH_COLUMNS = ("phase", "batch_size", "tokens_per_seq", "context_len", "iteration", "latency_s")
@@ -1214,7 +1216,9 @@ def fit_phases(
     staircase = decode_staircase(kept, target.step_cost(), budget, moe)
     verify = verify_staircase(kept, target.step_cost(), draft.step_cost(), overhead, budget, moe)
     target = _noted(target, _coarse_note("decode staircase", "batch sizes", [s.batch_size for s in staircase]))
+    target = _noted(target, _period_note("decode staircase", [(s.batch_size, s.residual_s) for s in staircase]))
     draft = _noted(draft, _coarse_note("SD step staircase", "step sizes", [s.step_tokens for s in verify]))
+    draft = _noted(draft, _period_note("SD step staircase", [(s.step_tokens, s.residual_s) for s in verify]))
     treads = prompt_step_treads(kept, target.step_cost(), draft.step_cost(), overhead, budget, moe, staircase, verify)
     phases = Phases(
         target=target,
@@ -1245,6 +1249,12 @@ def _coarse_note(name: str, what: str, sizes: Sequence[int]) -> str:
         f"{name}: {wide} of {len(sizes) - 1} gaps between the {what} benchmarked exceed {STAIR_MAX_GAP_TOKENS:g}"
         " tokens and are not read (bench every 8 sequences to place the risers)"
     )
+
+
+def _period_note(name: str, table: Sequence[tuple[int, float]]) -> str:
+    """Where the staircase's risers are placed (treads.tile_period); nothing where it shows no period."""
+    found = tile_period(np.array([x for x, _ in table]), np.array([r for _, r in table])) if table else None
+    return "" if found is None else f"{name}: {describe_treads(found)}"
 
 
 def decode_staircase(

@@ -60,6 +60,7 @@ from controller.queueing import (
     mean_time_in_system_many,
     mean_time_in_window,
 )
+from controller.treads import riser_nodes, tile_period
 
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
@@ -1345,12 +1346,19 @@ STAIR_MAX_GAP_TOKENS = 40.0
 @functools.lru_cache(maxsize=64)
 def stair_nodes(table: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray]:
     """The table as interpolation nodes: each gap wider than STAIR_MAX_GAP_TOKENS is pinned to
-    zero just inside its ends, so the residuals hold at the sizes measured and nowhere between."""
+    zero just inside its ends, so the residuals hold at the sizes measured and nowhere between;
+    where the table shows a tile period (:func:`treads.tile_period`), a gap across a riser rises
+    at its multiple of the period, not straight across."""
+    period = tile_period(np.array([x for x, _ in table]), np.array([y for _, y in table]))
     tokens, residual = [table[0][0]], [table[0][1]]
     for x, y in table[1:]:
         if x - tokens[-1] > STAIR_MAX_GAP_TOKENS:
             tokens += [math.nextafter(tokens[-1], math.inf), math.nextafter(x, -math.inf)]
             residual += [0.0, 0.0]
+        elif period is not None:
+            for at, r in riser_nodes(tokens[-1], residual[-1], x, y, period):
+                tokens.append(at)
+                residual.append(r)
         tokens.append(x)
         residual.append(y)
     return np.array(tokens), np.array(residual)

@@ -169,6 +169,10 @@ def test_calibrate_reads_the_sd_steps_residual_per_step_tokens_every_draft_lengt
     assert np.corrcoef(got, want)[0, 1] > 0.9
     big = np.array(tokens) >= 2 * TOKEN_TILE
     assert np.abs(got - want)[big].max() < 0.02
+    # ... and where its risers are: every tile (treads.tile_period), which the chain places them by.
+    notes = " ".join(stepped.phases.draft.fit.notes)
+    assert "SD step staircase: risers every 128 tokens" in notes, notes
+    assert not any("risers" in n for n in flat.phases.draft.fit.notes + flat.phases.target.fit.notes)
     # The SD-off decode rows are untouched: their staircase stays flat.
     assert max(abs(s.residual_s) for s in stepped.phases.decode_staircase) < 0.01 * LINE.target.scalar(256, 256 * 640)
     model = stepped.latency_model()
