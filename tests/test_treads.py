@@ -20,7 +20,9 @@ def sawtooth(tokens: np.ndarray, period: int) -> np.ndarray:
     return RISE + TREAD_SLOPE * into - 0.5 * (RISE + TREAD_SLOPE * (period - 1))
 
 
-SD_GRID = np.array(sorted({*(3 * b for b in (1, 2, 4, *range(8, 257, 8))), *(5 * b for b in (1, 2, 4, *range(8, 257, 8)))}))
+SD_GRID = np.array(
+    sorted({*(3 * b for b in (1, 2, 4, *range(8, 257, 8))), *(5 * b for b in (1, 2, 4, *range(8, 257, 8)))})
+)
 DECODE_GRID = np.array([1, 2, 4, *range(8, 257, 8)])
 
 
