@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-PURE = ("model", "policy", "assessment", "switch_cost", "risk", "acceptance", "queueing", "fleet")
+PURE = ("model", "policy", "assessment", "switch_cost", "risk", "acceptance", "queueing", "treads", "fleet")
 # What the pure core may import: each other and value types without I/O.
 PURE_MAY_IMPORT = {f"controller.{m}" for m in PURE} | {
     "controller.observation",
