@@ -7,7 +7,7 @@ tokens. Against the fitted line the residual therefore falls at one slope along 
 samples an SD step every 24–40 tokens, so most gaps between the sizes measured straddle a riser
 of 64-token tiles; drawn straight across, the interpolation prices the states before the riser
 too dear and those after it too cheap (+12 % and −5 % on the simulated H100, γ = 2 at 17–22
-sequences, where the batch spends a third of its time at 8 req/s).
+sequences, where the batch spends about a quarter of its time at 8 req/s).
 
 :func:`tile_period` finds the period where the residuals show one: the largest candidate whose
 multiples fall in every gap that jumps and in none that does not. :func:`riser_nodes` then
