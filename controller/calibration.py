@@ -27,7 +27,7 @@ from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
 from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload, stair_nodes
 from controller.treads import describe as describe_treads
-from controller.treads import tile_period
+from controller.treads import table_period
 
 SCHEMA_VERSION = 2
 BENCH_COLUMNS = ("phase", "batch_size", "tokens_per_seq", "context_len", "iteration", "latency_s")
@@ -1252,8 +1252,8 @@ def _coarse_note(name: str, what: str, sizes: Sequence[int]) -> str:
 
 
 def _period_note(name: str, table: Sequence[tuple[int, float]]) -> str:
-    """Where the staircase's risers are placed (treads.tile_period); nothing where it shows no period."""
-    found = tile_period(np.array([x for x, _ in table]), np.array([r for _, r in table])) if table else None
+    """Where the staircase's risers are placed (treads.table_period); nothing where it shows no period."""
+    found = table_period(table)
     return "" if found is None else f"{name}: {describe_treads(found)}"
 
 

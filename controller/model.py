@@ -60,7 +60,7 @@ from controller.queueing import (
     mean_time_in_system_many,
     mean_time_in_window,
 )
-from controller.treads import riser_nodes, tile_period
+from controller.treads import riser_nodes, table_period
 
 DEFAULT_DRAFT_LENGTHS = tuple(range(1, 17))
 DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
@@ -1347,9 +1347,9 @@ STAIR_MAX_GAP_TOKENS = 40.0
 def stair_nodes(table: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray]:
     """The table as interpolation nodes: each gap wider than STAIR_MAX_GAP_TOKENS is pinned to
     zero just inside its ends, so the residuals hold at the sizes measured and nowhere between;
-    where the table shows a tile period (:func:`treads.tile_period`), a gap across a riser rises
+    where the table shows a tile period (:func:`treads.table_period`), a gap across a riser rises
     at its multiple of the period, not straight across."""
-    period = tile_period(np.array([x for x, _ in table]), np.array([y for _, y in table]))
+    period = table_period(table)
     tokens, residual = [table[0][0]], [table[0][1]]
     for x, y in table[1:]:
         if x - tokens[-1] > STAIR_MAX_GAP_TOKENS:

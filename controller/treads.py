@@ -19,6 +19,7 @@ Pure functions of the table: no I/O, cached by the caller.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -78,6 +79,13 @@ def tile_period(tokens: np.ndarray, residual: np.ndarray) -> Treads | None:
     return None
 
 
+def table_period(table: Sequence[tuple[float, float]]) -> Treads | None:
+    """:func:`tile_period` of a staircase table's (tokens, residual) pairs, as the calibration
+    file keeps them."""
+    tokens, residual = np.asarray(table, dtype=float).reshape(-1, 2).T
+    return tile_period(tokens, residual)
+
+
 def riser_nodes(lo: float, r_lo: float, hi: float, r_hi: float, treads: Treads) -> list[tuple[float, float]]:
     """Interpolation nodes strictly inside the gap (lo, hi): the riser at its one multiple R of
     the period, the tread before it from (lo, r_lo) up to R, the one after it back from
@@ -101,4 +109,4 @@ def describe(treads: Treads | None) -> str:
     return f"risers every {treads.period} tokens (tread slope {treads.slope_s_per_token * 1e6:+.2f} µs a token)"
 
 
-__all__ = ["CANDIDATE_PERIODS", "Treads", "describe", "riser_nodes", "tile_period"]
+__all__ = ["CANDIDATE_PERIODS", "Treads", "describe", "riser_nodes", "table_period", "tile_period"]
