@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import replace
+from statistics import NormalDist
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from controller.model import (
     LIMIT_REASONS,
+    PROMPT_KNEE_BINS,
     LatencyModel,
     Moe,
     StepCost,
@@ -219,6 +221,36 @@ def test_prompt_length_spread_averages_the_marginal_cost():
     assert sum(w for w, _ in nodes) == pytest.approx(1.0)
     assert sum(w * p for w, p in nodes) == pytest.approx(500.0)
     assert curves(m, 0.5, 1, spread)[0].prompt(3.0) < curves(m, 0.5, 1, fixed)[0].prompt(3.0)
+
+
+def _lognormal_excess(mean: float, log_sd: float, c: float) -> float:
+    """E[max(0, P − c)] for lognormal P of this mean and log-sd (the Black–Scholes call)."""
+    if c <= 0.0:
+        return mean - c
+    d1 = (math.log(mean / c) + 0.5 * log_sd * log_sd) / log_sd
+    return mean * NormalDist().cdf(d1) - c * NormalDist().cdf(d1 - log_sd)
+
+
+@pytest.mark.parametrize("batch", [10.0, 60.0, 150.0, 250.0])
+def test_prompt_cost_averages_the_knees_over_the_lognormal(batch):
+    # Slopes 20 → 50 → 30 µs a token past knees at 300 and 800 tokens: a kink inside the
+    # prompt lengths (mean 900, sd 600). Δ(B) is the lognormal mean of t(B + 1 + P) − t(B + 1),
+    # in closed form per knee; three Gauss–Hermite nodes miss it by up to 2.7 % here.
+    knees, deltas = (300.0, 800.0), (3e-5, -2e-5)
+    m = LatencyModel(target=StepCost(0.006, 2e-5, knees, deltas), max_num_seqs=256)
+    w = Workload(900.0, 280.0, 0.0, 600.0)
+    log_sd = math.sqrt(math.log1p((600.0 / 900.0) ** 2))
+    x0 = batch + 1.0
+    exact = 2e-5 * 900.0 + sum(
+        d * (_lognormal_excess(900.0, log_sd, k - x0) - max(0.0, x0 - k)) for k, d in zip(knees, deltas, strict=True)
+    )
+    assert curves(m, 0.5, 1, w)[0].prompt(batch) == pytest.approx(exact, rel=0.005)
+    bins = w.prompt_bins
+    assert len(bins) == PROMPT_KNEE_BINS
+    assert sum(wt for wt, _ in bins) == pytest.approx(1.0)
+    assert sum(wt * x for wt, x in bins) == pytest.approx(900.0)
+    assert [x for _, x in bins] == sorted(x for _, x in bins)
+    assert Workload(900.0, 280.0, 0.0, 0.0).prompt_bins == ((1.0, 900.0),)
 
 
 def test_knee_segment_by_segment():
