@@ -272,11 +272,18 @@ _GH3 = ((1.0 / 6.0, -1.0), (2.0 / 3.0, 0.0), (1.0 / 6.0, 1.0))
 MAX_PROMPT_CV = 10.0
 
 
+def _log_sd(p: float, sd: float | None) -> float | None:
+    """σ of ln P for a lognormal of mean ``p`` and standard deviation ``sd``; None: no spread."""
+    if not sd or p <= 0:
+        return None
+    return math.sqrt(math.log1p(min(sd / p, MAX_PROMPT_CV) ** 2))
+
+
 @functools.lru_cache(maxsize=1024)
 def _prompt_nodes(p: float, sd: float | None) -> tuple[tuple[float, float], ...]:
-    if not sd or p <= 0:
+    s = _log_sd(p, sd)
+    if s is None:
         return ((1.0, p),)
-    s = math.sqrt(math.log1p(min(sd / p, MAX_PROMPT_CV) ** 2))
     raw = [(w, math.exp(s * math.sqrt(3.0) * z)) for w, z in _GH3]
     norm = p / sum(w * x for w, x in raw)  # the nodes keep the measured mean exactly
     return tuple((w, x * norm) for w, x in raw)
@@ -291,9 +298,9 @@ PROMPT_KNEE_BINS = 8
 
 @functools.lru_cache(maxsize=1024)
 def _prompt_bins(p: float, sd: float | None) -> tuple[tuple[float, float], ...]:
-    if not sd or p <= 0:
+    s = _log_sd(p, sd)
+    if s is None:
         return ((1.0, p),)
-    s = math.sqrt(math.log1p(min(sd / p, MAX_PROMPT_CV) ** 2))
     # Bin (z_i, z_i+1) of ln P ~ N(μ, s²) holds 1/m of the prompts, with mean
     # E[P]·(Φ(z_i+1 − s) − Φ(z_i − s))·m: the bins keep the mean exactly.
     m, normal = PROMPT_KNEE_BINS, NormalDist()
