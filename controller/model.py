@@ -292,7 +292,7 @@ def _prompt_nodes(p: float, sd: float | None) -> tuple[tuple[float, float], ...]
 # Δ(B)'s hinges: equal-probability bins of the prompt lengths, each at its conditional mean.
 # The pass's knees make a prompt's marginal cost kinked in P, and Gauss–Hermite nodes (exact for
 # smooth costs) miss a kink's mean by up to 4 % (the simulated L40S, 300-token prompts at batch
-# 150; 1.9 % on H100 chat at batch 66); eight bins are within 0.7 % on the stored calibrations.
+# 150; 2.0 % on H100 chat at batch 66); eight bins are within 0.7 % on the stored calibrations.
 PROMPT_KNEE_BINS = 8
 
 
