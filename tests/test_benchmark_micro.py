@@ -284,3 +284,27 @@ def test_without_the_budget_the_bench_reads_the_stagger_off_the_trace_and_runs_a
     for row in by_phase(rows, "verify"):
         assert row.context_len > 2048 + 64  # the decoders generated more than twice the 64 asked
         assert_times_the_verify_step(row)
+
+
+def test_a_staggered_decode_run_the_cache_cannot_lengthen_is_left_out_not_recorded():
+    # The same 64 staggered decoders, on a KV cache that holds them as asked (64 × 2116 tokens)
+    # but not run as long as the stagger needs: no step had every decoder decoding, and the
+    # only step time the run has is the mean over prefill-laden steps (vs the truth's verify step
+    # at its context).
+    small = dataclasses.replace(BUDGET_2048_SD4, kv_cache_tokens=64 * 2200)
+    warnings: list[str] = []
+    rows = micro.run_micro(SimulatedServer(small, seed=1), plan(**STAGGERED, iterations=2), warn=warnings.append)
+    assert by_phase(rows, "verify") == []
+    assert len(warnings) == 1 and "verify B=64 at 2048-token prompts" in warnings[0] and "skipped" in warnings[0]
+    # What was left out would have been far off: the same run's mean step against the truth's.
+    run, gen = micro.decode_together(SimulatedServer(small, seed=1), 64, 2048, 64, 4, kv_cache_tokens=64 * 2200)
+    assert not run.decoded_together
+    truth = stepsim.step_time_s(
+        small, np.full(64, 5), np.full(64, 2048 + gen // 2), np.full(64, 5), True, np.ones(64, bool)
+    )
+    assert run.step_s > 1.1 * truth
+
+
+def test_a_staggered_run_lengthened_until_it_decodes_together_is_recorded():
+    run, _gen = micro.decode_together(SimulatedServer(BUDGET_2048_SD4, seed=1), 64, 2048, 64, 4)
+    assert run.lead_steps > 0 and run.decoded_together
