@@ -439,7 +439,7 @@ def _timed_together(
 
     On a small step budget a batch of long prompts takes a step or more each to prefill, and a
     run long enough to outlast that stagger would outgrow the KV cache (decode_together stops
-    there): the mean step it saw carries prefill chunks, 15–67 % above the decode step on the
+    there): the mean step it saw carries prefill chunks, 16–67 % above the decode step on the
     simulated A100 at 2048 tokens, 120–144 sequences of 2048-token prompts, and just under the
     cache, where calibrate keeps it.
     """
