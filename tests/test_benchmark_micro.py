@@ -298,7 +298,7 @@ def test_a_staggered_decode_run_the_cache_cannot_lengthen_is_left_out_not_record
     assert len(warnings) == 1 and "verify B=64 at 2048-token prompts" in warnings[0] and "skipped" in warnings[0]
     # What was left out would have been far off: the same run's mean step against the truth's.
     run, gen = micro.decode_together(SimulatedServer(small, seed=1), 64, 2048, 64, 4, kv_cache_tokens=64 * 2200)
-    assert not run.decoded_together
+    assert not run.decoded_together and run.outgrew_cache
     truth = stepsim.step_time_s(
         small, np.full(64, 5), np.full(64, 2048 + gen // 2), np.full(64, 5), True, np.ones(64, bool)
     )
@@ -307,4 +307,4 @@ def test_a_staggered_decode_run_the_cache_cannot_lengthen_is_left_out_not_record
 
 def test_a_staggered_run_lengthened_until_it_decodes_together_is_recorded():
     run, _gen = micro.decode_together(SimulatedServer(BUDGET_2048_SD4, seed=1), 64, 2048, 64, 4)
-    assert run.lead_steps > 0 and run.decoded_together
+    assert run.lead_steps > 0 and run.decoded_together and not run.outgrew_cache

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from controller.benchmark.csvio import BenchRow
 from controller.benchmark.probe import BenchServer, ProbeError, ProbeRequest, ProbeResult, ServerInfo
@@ -99,6 +99,8 @@ class DecodeRun:
     # prefill, read off the chunk trace; 0 without one).
     lead_steps: int = 0
     traced: bool = False  # step_s is read off the chunk trace's all-decode window
+    # decode_together could not run it longer: the longer decoders would outgrow the KV cache.
+    outgrew_cache: bool = False
 
     @property
     def decoded_together(self) -> bool:
@@ -223,6 +225,7 @@ def decode_together(
             break
         longer = gen + (gamma + 1) * run.lead_steps
         if kv_cache_tokens is not None and batch * (prompt_tokens + longer + gamma) > kv_cache_tokens:
+            run = replace(run, outgrew_cache=True)
             break
         gen = longer
         run = decode_run(server, batch, prompt_tokens, gen, gamma)
@@ -434,16 +437,18 @@ def _mixed_step_with_retries(
 def _timed_together(
     phase: str, batch: int, prompt_tokens: int, run: DecodeRun, warn: Warn | None, said: set[tuple[int, int]]
 ) -> bool:
-    """Whether ``run`` timed steps with every decoder decoding; if not, say so once per batch and
-    prompt length (the row is left out).
+    """False for a run with no step that had every decoder decoding, which the KV cache kept
+    from being run longer: said once per batch and prompt length, and the row is left out.
 
     On a small step budget a batch of long prompts takes a step or more each to prefill, and a
     run long enough to outlast that stagger would outgrow the KV cache (decode_together stops
     there): the mean step it saw carries prefill chunks, 16–67 % above the decode step on the
     simulated A100 at 2048 tokens, 120–144 sequences of 2048-token prompts, and just under the
-    cache, where calibrate keeps it.
+    cache, where calibrate keeps it. A run still staggered after its reruns (requests reaching
+    the server further apart than its steps) is kept, its mean step as before: without it a
+    bench could end with no decode rows at all.
     """
-    if run.decoded_together:
+    if run.decoded_together or not run.outgrew_cache:
         return True
     if warn is not None and (batch, prompt_tokens) not in said:
         said.add((batch, prompt_tokens))
