@@ -98,15 +98,16 @@ class DecodeRun:
     # Steps the first decoders streamed before the last one's first token (the batch's staggered
     # prefill, read off the chunk trace; 0 without one).
     lead_steps: int = 0
-    traced: bool = False  # step_s is read off the chunk trace's all-decode window
-    # decode_together could not run it longer: the longer decoders would outgrow the KV cache.
+    # Not decoded together, and decode_together could not run it longer: the longer decoders
+    # would outgrow the KV cache.
     outgrew_cache: bool = False
 
     @property
     def decoded_together(self) -> bool:
-        """False when the trace shows a staggered prefill and no step with every decoder decoding:
-        step_s is then the sequences' mean step, prefill steps and a shrinking batch included."""
-        return self.traced or self.lead_steps == 0
+        """False when the trace shows a staggered prefill and no step with every decoder decoding
+        (the last began after the first finished): step_s is then the sequences' mean step,
+        prefill steps and a shrinking batch included."""
+        return self.lead_steps == 0 or self.done_min_s > self.first_token_max_s
 
 
 def check_sd_config(server: BenchServer) -> ServerInfo:
@@ -188,11 +189,10 @@ def decode_window(results: Sequence[ProbeResult], steps: float) -> DecodeRun:
     window = max(max(r.done_s for r in results) - first, 0.0)
     mean_duration = statistics.fmean(max(r.done_s - r.first_token_s, 0.0) for r in results)
     step = traced_step_s(results, first, last_start)
-    traced = step is not None
     if step is None:
         step = mean_duration / steps
     lead = max(sum(1 for t in r.token_times_s if t < first - 1e-9) for r in results)
-    return DecodeRun(step, steps, first, last_start, window, mean_duration, lead, traced)
+    return DecodeRun(step, steps, first, last_start, window, mean_duration, lead)
 
 
 def decode_together(
@@ -214,14 +214,13 @@ def decode_together(
     not show the budget): such a run is repeated longer by the steps the first decoders
     streamed before the last one's first token, γ + 1 tokens each, at most ``reruns``
     times. The batch's mean context over the all-decode window is still P + N/2. Not where the
-    longer decoders would outgrow ``kv_cache_tokens``: that batch never decodes together (vLLM
-    preempts), and calibrate drops its rows.
+    longer decoders would outgrow ``kv_cache_tokens`` (vLLM would preempt): the run is returned
+    marked ``outgrew_cache``.
     """
     gen = gen_tokens
     run = decode_run(server, batch, prompt_tokens, gen, gamma)
     for _ in range(reruns):
-        together = run.done_min_s - run.first_token_max_s
-        if run.lead_steps == 0 or together > 0.0:
+        if run.decoded_together:
             break
         longer = gen + (gamma + 1) * run.lead_steps
         if kv_cache_tokens is not None and batch * (prompt_tokens + longer + gamma) > kv_cache_tokens:
@@ -448,7 +447,7 @@ def _timed_together(
     the server further apart than its steps) is kept, its mean step as before: without it a
     bench could end with no decode rows at all.
     """
-    if run.decoded_together or not run.outgrew_cache:
+    if not run.outgrew_cache:
         return True
     if warn is not None and (batch, prompt_tokens) not in said:
         said.add((batch, prompt_tokens))
