@@ -28,7 +28,7 @@ from controller import calibration as cal_mod
 from controller import model as model_mod
 from controller.queueing import burst_law, burst_ratio_at, stationary_law
 from controller.sim.simserver import serve
-from controller.sim.stepsim import SimResult
+from controller.sim.stepsim import SimResult, StepView
 from controller.sim.truth_workloads import poisson_load
 from controller.validation import _alpha
 
@@ -67,7 +67,10 @@ def main() -> None:
     budget = lm.max_num_batched_tokens  # the step budget the directory was run with (--max-num-batched-tokens)
     if budget is not None and budget != truth.max_num_batched_tokens:
         truth = dataclasses.replace(truth, max_num_batched_tokens=int(budget))
-    res: SimResult = serve(truth.spec(gamma), poisson_load(args.rate, args.duration, args.workload, rng), rng)
+    views: list[StepView] = []
+    res: SimResult = serve(
+        truth.spec(gamma), poisson_load(args.rate, args.duration, args.workload, rng), rng, on_step=views.append
+    )
     kept = res.arrival_s >= WARMUP_FRACTION * args.duration
     ends = np.cumsum(res.step_s)
     late = ends > WARMUP_FRACTION * args.duration
@@ -82,6 +85,7 @@ def main() -> None:
         f"{steps:.1f} steps a request, "
         f"{1e3 * np.average(dur, weights=seqs):.1f} ms a step as a request sees it"
     )
+    _priced_steps(lm, gamma, [v for v, keep in zip(views, late, strict=True) if keep])
     limit = curve.stability_limit_rps
     latency = curve.latency_s(args.rate)
     print(
@@ -143,6 +147,61 @@ def main() -> None:
         )
         if not gamma:
             _by_chunk(lm.target, seqs[mixed], prompt_tokens, extra)
+
+
+def calibrated_step_s(lm: model_mod.LatencyModel, gamma: int, view: StepView) -> float:
+    """One step the truth ran, priced by the calibration's passes as ``calibrate`` read its bench
+    rows (calibration.target_passes, draft_passes): the target over every token, the KV the
+    decoders read and each prompt's own attention; with SD the draft's first pass over the same,
+    its γ − 1 single-token passes over the sequences that draft, the step's overhead; and the
+    staircase's residual at the decode tokens, of which a step computing prompt tokens keeps
+    its tread share (model.prompt_step_tread)."""
+    q, ctx, prefill = view.query_tokens, view.context_tokens, view.prefill
+    tokens, seqs = float(q.sum()), float(q.size)
+    read = float(ctx[~prefill].sum())
+    pairs = float((q[prefill] * (ctx[prefill] + 0.5 * q[prefill])).sum())
+    t = lm.target.scalar(tokens, read, seqs, pairs)
+    per_seq = gamma + 1 if gamma else 1
+    if gamma:
+        drafting = view.drafting
+        t += lm.draft.scalar(tokens, read, seqs, pairs) + lm.sd_overhead_s
+        n_draft = float(drafting.sum())
+        t += (gamma - 1) * lm.draft.scalar(n_draft, float((ctx + q)[drafting].sum()), n_draft)
+    table = lm.verify_staircase_on if gamma else lm.decode_staircase_off
+    if table:
+        decoders = float((~prefill).sum())
+        stair = float(np.interp(decoders * per_seq, *model_mod.stair_nodes(table), right=0.0))
+        t += stair * (model_mod.prompt_step_tread(lm, float(gamma)) if prefill.any() else 1.0)
+    return t
+
+
+def _priced_steps(lm: model_mod.LatencyModel, gamma: int, views: list[StepView]) -> None:
+    """Every step of the measured window priced by the calibration (calibrated_step_s) against
+    the truth's noise-free seconds, in all and by decoders, without and with prompt tokens: the
+    step's cost apart from how the chain composes steps into a latency."""
+    if not views:
+        return
+    truth_s = np.array([v.seconds for v in views])
+    model_s = np.array([calibrated_step_s(lm, gamma, v) for v in views])
+    decoders = np.array([int((~v.prefill).sum()) for v in views])
+    prompts = np.array([bool(v.prefill.any()) for v in views])
+
+    def error(pick: np.ndarray) -> str:
+        return f"{100 * (model_s[pick].sum() / truth_s[pick].sum() - 1):+6.2f} %" if pick.any() else "      -"
+
+    everything = np.ones(truth_s.size, dtype=bool)
+    print(
+        f"\nthe truth's steps priced by the calibration's passes: {truth_s.size} steps, {truth_s.sum():.1f} s,"
+        f" error {error(everything)} (decode only {error(~prompts)}, with prompt tokens {error(prompts)},"
+        f" {100 * truth_s[prompts].sum() / truth_s.sum():.0f} % of the time)"
+    )
+    print("  decoders   steps  decode only  with prompts")
+    width = max(8, int(np.ceil((decoders.max() + 1) / 8)))
+    for lo in range(0, int(decoders.max()) + 1, width):
+        band = (decoders >= lo) & (decoders < lo + width)
+        if band.sum() >= MIN_STEPS:
+            cells = f"{error(band & ~prompts)}     {error(band & prompts)}"
+            print(f"  {lo:4d}-{lo + width - 1:<4d} {band.sum():6d}    {cells}")
 
 
 def _bursts(rate: float, curve: model_mod.ModeCurve, chain_law: np.ndarray) -> None:

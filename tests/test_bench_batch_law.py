@@ -26,6 +26,14 @@ def test_both_laws_are_probabilities_and_the_truths_mean_is_littles():
     assert abs(truth_law - 1.0) < 0.01 and abs(model_law - 1.0) < 0.01, bins
     # Little: the running gauge weighted by step time holds λ·T (no queue at a quarter of the limit).
     assert abs(truth_n / (4.0 * truth_s) - 1.0) < 0.1, (truth_n, truth_s)
+    # Every step of the window priced by the calibration: the stored calibration reproduces the
+    # truth's steps to a few per cent, in all and in each band of decoders printed.
+    priced = re.search(r"priced by the calibration's passes: (\d+) steps, [\d.]+ s, error\s+([+-][\d.]+) %", out)
+    assert priced is not None, out
+    assert int(priced.group(1)) > 1000 and abs(float(priced.group(2))) < 3.0, priced.group(0)
+    bands = re.findall(r"^\s+\d+-\d+\s+\d+\s+([+-][\d.]+) %\s+([+-][\d.]+ %|-)$", out, flags=re.M)
+    assert bands, out
+    assert all(abs(float(d)) < 5.0 for d, _p in bands)
     steps = re.findall(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[+-][\d.]+ %$", out, flags=re.M)
     assert steps, out  # decode steps were listed, each with the truth's and the model's cost
     assert all(0.5 < float(m) / float(t) < 2.0 for _b, _n, t, m in steps)
@@ -90,3 +98,27 @@ def test_completions_by_requests_in_the_server_are_listed_beside_the_steps_and_t
     share, overlap, ratio, _mean, sd, _chain_mean, chain_sd = map(float, bursts.groups())
     assert 0.1 < share < 0.9 and 0.3 < overlap < 1.0 and 0.0 < ratio < 1.0
     assert float(sd) > float(chain_sd)
+
+
+def test_a_step_is_priced_by_the_calibrations_passes(monkeypatch):
+    """calibrated_step_s against the truth's own step: a decode batch, then the same batch with
+    a prompt beside it, on the stored H100 calibration (SD off and γ = 2)."""
+    mod = _module(monkeypatch)
+    from controller import calibration
+    from controller.sim import fidelity
+    from controller.sim.stepsim import StepView, step_time_s
+
+    lm = calibration.load(ROOT / STORED / "calibration.json").latency_model()
+    for gamma in (0, 2):
+        spec = fidelity.TruthServer().spec(gamma)
+        per_seq = gamma + 1
+        q, ctx = np.full(64, per_seq), np.full(64, 1000)
+        with_prompt = (np.append(q, 900), np.append(ctx, 0))
+        truth, model = [], []
+        for qq, cc in ((q, ctx), with_prompt):
+            prefill = cc == 0
+            drafting = np.ones(qq.size, dtype=bool)
+            truth.append(step_time_s(spec, qq, cc, np.where(prefill, 1, qq), bool(gamma), drafting))
+            model.append(mod.calibrated_step_s(lm, gamma, StepView(qq, cc, prefill, drafting, truth[-1])))
+        assert abs(model[0] / truth[0] - 1) < 0.03, (gamma, model, truth)
+        assert abs((model[1] - model[0]) / (truth[1] - truth[0]) - 1) < 0.1, (gamma, model, truth)

@@ -156,3 +156,23 @@ def test_guards():
         run(ServerSpec(kv_cache_tokens=512), [0.0], [600], [10])
     res = run(ServerSpec(), [], [], [])
     assert res.steps == 0
+
+
+def test_a_step_observer_sees_each_step_as_it_ran_and_changes_nothing():
+    spec = ServerSpec(draft=D, draft_length=3, noise_sigma=0.0, max_num_batched_tokens=512)
+    arr, prompt, gen = load(6, 20)
+    alpha = np.full(arr.size, 0.7)
+    plain = simulate(spec, arr, prompt, gen, alpha, np.random.default_rng(3))
+    views = []
+    seen = simulate(spec, arr, prompt, gen, alpha, np.random.default_rng(3), on_step=views.append)
+    np.testing.assert_array_equal(seen.finish_s, plain.finish_s)  # the same draws, the same run
+    assert len(views) == seen.steps
+    np.testing.assert_array_equal([v.seconds for v in views], seen.step_s)  # noise off: the step's own time
+    np.testing.assert_array_equal([int(v.query_tokens.sum()) for v in views], seen.step_tokens)
+    np.testing.assert_array_equal([v.query_tokens.size for v in views], seen.step_seqs)
+    # Every prompt token is computed in a step that flags it: the 512-token budget chunks the
+    # long ones, and what the flagged sequences ran is every request's prompt (no preemption).
+    assert seen.preemptions.sum() == 0
+    assert sum(int(v.query_tokens[v.prefill].sum()) for v in views) == int(prompt.sum())
+    decoding = [v for v in views if (~v.prefill).any()]
+    assert all(np.all(v.query_tokens[~v.prefill] <= 4) for v in decoding)  # 1 + γ at most

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from controller.benchmark.probe import GaugeSample, ProbeError, ProbeRequest, ProbeResult, ServerCounters, ServerInfo
-from controller.sim.stepsim import ServerSpec, SimResult, simulate
+from controller.sim.stepsim import ServerSpec, SimResult, StepObserver, simulate
 
 
 class SimulatedServer:
@@ -86,9 +86,12 @@ class SimulatedServer:
         ]
 
 
-def serve(spec: ServerSpec, requests: Sequence[ProbeRequest], rng: np.random.Generator) -> SimResult:
+def serve(
+    spec: ServerSpec, requests: Sequence[ProbeRequest], rng: np.random.Generator, on_step: StepObserver | None = None
+) -> SimResult:
     """Run these requests on the step simulation from an idle engine: each kind's acceptance
-    drawn from its class, a prefix group's requests sharing their first blocks."""
+    drawn from its class, a prefix group's requests sharing their first blocks; ``on_step`` sees
+    each step (stepsim.StepView)."""
     prefix = _prefix_arrays(requests)
     alpha = np.empty(len(requests))
     kinds = np.array([r.kind for r in requests])
@@ -105,6 +108,7 @@ def serve(spec: ServerSpec, requests: Sequence[ProbeRequest], rng: np.random.Gen
         rng,
         trace if trace.any() else None,
         **prefix,
+        on_step=on_step,
     )
 
 

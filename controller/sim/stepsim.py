@@ -57,6 +57,7 @@ passes per sampling request, plus the rejection sampler), times lognormal noise 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,6 +159,23 @@ class SimResult:
     @property
     def latency_s(self) -> np.ndarray:
         return self.finish_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One step as :func:`simulate` computed it, per scheduled sequence: the tokens it ran
+    (``query_tokens``), the KV it read before them (``context_tokens``), whether it computed
+    prompt tokens (``prefill``: a prompt or its chunk, or a preempted request's recompute) rather
+    than decoding, whether it drafts for its next step; and the step's noise-free seconds."""
+
+    query_tokens: np.ndarray
+    context_tokens: np.ndarray
+    prefill: np.ndarray
+    drafting: np.ndarray
+    seconds: float
+
+
+StepObserver = Callable[[StepView], None]
 
 
 def _ceil_div(a, b):
@@ -377,11 +395,13 @@ def simulate(
     *,
     prefix_group: np.ndarray | None = None,
     prefix_tokens: np.ndarray | None = None,
+    on_step: StepObserver | None = None,
 ) -> SimResult:
     """Serve these requests (each generates exactly ``gen_tokens``) from an idle engine at t=0.
 
     ``prefix_group`` (int ids, −1: none) and ``prefix_tokens``: requests of a group share their
     first ``prefix_tokens`` prompt tokens, which vLLM's prefix cache serves once computed.
+    ``on_step`` sees what each step computed (a diagnostic's view; it changes nothing).
     """
     arrival = np.asarray(arrival_s, dtype=np.float64)
     prompt = np.asarray(prompt_tokens, dtype=np.int64)
@@ -547,6 +567,8 @@ def simulate(
         emitted = np.minimum(emitted, gen_total[r] - generated[r])
         drafting = samples & (generated[r] + emitted < gen_total[r]) if gamma else samples
         dt = step_time_s(spec, sched, ctx, sampled, n_verify > 0, drafting)
+        if on_step is not None:
+            on_step(StepView(sched, ctx, ctx + 1 < n_tokens, drafting, dt))
         dt *= g.lognormal_noise(rng, spec.noise_sigma)
         t_end = t + dt
 
