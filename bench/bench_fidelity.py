@@ -71,6 +71,7 @@ from controller.sim import fidelity, gpu
 from controller.sim.truth_workloads import MIXES
 from controller.validation import BREAK_EVEN_STEP, ValidationReport, validate
 
+H200_RATES = (1, 2, 3, 4, 5, 6, 8, 12, 14, 16, 17, 18, 19, 20, 21, 22, 24)
 L40S_RATES = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 3, 4, 4.5, 5, 5.5, 6)
 TRUTHS = {
     "h100": (fidelity.TruthServer(gpu=gpu.H100_SXM), (1, 2, 4, 6, 8, 10, 12, 13, 14, 15, 16, 17, 18, 20)),
@@ -78,6 +79,7 @@ TRUTHS = {
     # vLLM's API-server defaults below 70 GiB: a 2048-token step budget, so long prompts span
     # steps and a 2048-token chunk never rides beside a batch; a KV cache that fills first.
     "l40s": (fidelity.TruthServer(gpu=gpu.L40S, max_num_batched_tokens=2048), L40S_RATES),
+    "h200-smooth": (fidelity.TruthServer(gpu=gpu.H200_SMOOTH), H200_RATES),
 }
 
 
@@ -164,7 +166,7 @@ def main() -> None:
         default=None,
         metavar="DIR",
         help="where DIR's runs measured a speedup crossing 1 between two rates more than"
-        f" {BREAK_EVEN_STEP:.0%} apart, run SD off and that draft length at rates between them (each seed DIR holds:"
+        f" {100 * BREAK_EVEN_STEP:.0f} %% apart, run SD off and that draft length at rates between them (each seed DIR holds:"
         " --seed and its replicates) into DIR/refined/seed<S>/, then re-validate DIR: the measured break-even is"
         " interpolated over a step that short",
     )

@@ -176,3 +176,20 @@ def test_a_step_observer_sees_each_step_as_it_ran_and_changes_nothing():
     assert sum(int(v.query_tokens[v.prefill].sum()) for v in views) == int(prompt.sum())
     decoding = [v for v in views if (~v.prefill).any()]
     assert all(np.all(v.query_tokens[~v.prefill] <= 4) for v in decoding)  # 1 + γ at most
+
+
+def test_the_smooth_truth_has_no_tile_staircase():
+    """H200_SMOOTH (bench_fidelity.py --truth h200-smooth) pads no GEMM to tiles: one more
+    decoder never costs more than about one decoder's share, where the H100's 64-token tiles
+    make a riser of many."""
+    ctx = 1000
+
+    def increments(gpu):
+        steps = [g.forward_time_s(T, gpu, g.Seqs(np.ones(b, np.int64), np.full(b, ctx))) for b in range(1, 400)]
+        d = np.diff(steps)
+        return d.max() / d.mean(), d.min()
+
+    smooth_jump, smooth_min = increments(g.H200_SMOOTH)
+    tiled_jump, _ = increments(GPU)
+    assert smooth_min > 0.0 and smooth_jump < 1.5, smooth_jump
+    assert tiled_jump > 10.0, tiled_jump

@@ -100,6 +100,23 @@ A100_COARSE = replace(
 # A third truth (bench_fidelity.py --truth l40s): a 48 GB card with GDDR6, a quarter of the
 # H100's bandwidth and a third of its compute (datasheet: 362 TFLOP/s dense bf16, 864 GB/s).
 L40S = replace(H100_SXM, name="L40S-48GB", peak_flops=362e12, hbm_bytes_per_s=0.864e12, memory_bytes=48 * GIB)
+# A fourth truth (bench_fidelity.py --truth h200-smooth), held out from the model's development:
+# an H200's datasheet (the H100's compute, 4.8 TB/s, 141 GB) with GEMMs that are not padded to
+# tiles (no staircase for the calibration to find), efficiency that saturates at fewer tokens,
+# compute and memory overlapping less, and a faster host.
+H200_SMOOTH = replace(
+    H100_SXM,
+    name="H200-141GB (no GEMM tiles, another efficiency ramp)",
+    hbm_bytes_per_s=4.8e12,
+    memory_bytes=141 * GIB,
+    tile_tokens=1,
+    gemm_eff_small=0.3,
+    gemm_eff_large=0.55,
+    gemm_eff_tokens=800.0,
+    overlap_p=3.0,
+    step_overhead_s=0.4e-3,
+    per_seq_overhead_s=15e-6,
+)
 LLAMA_3_1_8B = ModelSpec(
     name="Llama-3.1-8B", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256
 )
