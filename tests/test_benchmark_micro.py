@@ -108,16 +108,32 @@ def test_a_chunk_past_the_budget_is_measured_at_what_the_budget_leaves():
         assert r.latency_s == pytest.approx(COSTS.step_s(r.chunk_tokens, 2, 0))
 
 
-def test_tile_phase_offsets_walk_the_tile_evenly():
-    # B + C must not sit at B's phase of every tile: over a recipe's grid the offsets cover
-    # [0, 128) with no phase left out, and the same plan gives the same chunks.
-    batches = fidelity.EVERY_8
-    offsets = np.array([micro.tile_phase_offset(b, i, 128) for b in batches for i in range(5)])
-    assert offsets.min() >= 0 and offsets.max() < 128
-    counts = np.bincount(offsets // 16, minlength=8)
-    assert counts.min() >= 0.6 * offsets.size / 8, counts
-    assert list(offsets) == [micro.tile_phase_offset(b, i, 128) for b in batches for i in range(5)]
-    assert {micro.tile_phase_offset(b, i, 0) for b in batches for i in range(5)} == {0}
+def test_mixed_steps_walk_the_tile_phases():
+    # A mixed row's step, B·(γ + 1) + C tokens, must not sit at one phase of every tile: over
+    # batches every 8 (the recipes' grid), each chunk's rows put the step's tokens all over
+    # [0, 128). An offset walked by the batch alone (8·φ is 0.94 past a whole number) left each
+    # chunk's steps within ~20 tokens of one phase: the line through them read the tiles'
+    # cheapest or dearest corner.
+    for gamma in (0, 2):
+        server = FakeBenchServer(draft_length=gamma, accepted_per_step=1)
+        rows = micro.run_micro(
+            server,
+            plan(
+                phases=("mixed",),
+                batch_sizes=tuple(range(8, 129, 8)),
+                chunk_tokens=(128, 512),
+                iterations=1,
+                chunk_phase_tokens=micro.TILE_PHASE_TOKENS,
+            ),
+        )
+        for planned in (128, 512):
+            mixed = [r for r in by_phase(rows, "mixed") if planned <= r.chunk_tokens < planned + 128]
+            assert len(mixed) == 16
+            phases = np.array([(r.batch_size * (gamma + 1) + r.chunk_tokens) % 128 for r in mixed])
+            assert np.bincount(phases // 16, minlength=8).min() >= 1, (gamma, planned, sorted(phases))
+    # the same plan, the same chunks; no walk, no offset
+    assert micro.tile_phase_offset(1000, 7, 128) == micro.tile_phase_offset(1000, 7, 128)
+    assert {micro.tile_phase_offset(b + 512, j, 0) for j, b in enumerate(fidelity.EVERY_8)} == {0}
 
 
 def test_mixed_rows_carry_the_walked_chunks():
@@ -127,7 +143,11 @@ def test_mixed_rows_carry_the_walked_chunks():
             phases=("mixed",), batch_sizes=(1, 8), chunk_tokens=(128, 1024), chunk_phase_tokens=micro.TILE_PHASE_TOKENS
         ),
     )
-    want = {(b, c + micro.tile_phase_offset(b, i, 128)) for b in (1, 8) for i, c in enumerate((128, 1024))}
+    want = {
+        (b, c + micro.tile_phase_offset(b + c, j * 2 + i, 128))
+        for j, b in enumerate((1, 8))
+        for i, c in enumerate((128, 1024))
+    }
     assert {(r.batch_size, r.chunk_tokens) for r in by_phase(rows, "mixed")} == want
     assert any(c % 128 for _, c in want)
     for r in by_phase(rows, "mixed"):

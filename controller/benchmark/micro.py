@@ -367,13 +367,20 @@ def mixed_step_s(
     return max(latency_s, 0.0)
 
 
-def tile_phase_offset(batch: int, index: int, span: int) -> int:
-    """Tokens added to the ``index``-th planned chunk beside ``batch`` decoders: a golden-ratio
-    walk over [0, span), so the bench's (B, C) pairs cover the tile phases evenly and the same
-    plan always runs the same chunks."""
+def tile_phase_offset(step_tokens: int, row: int, span: int) -> int:
+    """Tokens added to a planned chunk so that the mixed step's tokens (``step_tokens``: the
+    decoders' and the planned chunk's) land at the ``row``-th phase of a golden-ratio walk over
+    [0, span): the plan's (B, C) pairs, numbered in order, then cover the tile phases evenly, and
+    the same plan always runs the same chunks.
+
+    The walk is over the step's phase, not the offset's: a bench's batches are often a tile's
+    divisor apart (every 8), and an offset walking by the batch alone moved with it (8·φ is
+    0.94 past a whole number), so B + C sat within a few tokens of one phase over a chunk's
+    rows and the line fitted through them read the tiles' cheapest or dearest corner."""
     if span <= 1:
         return 0
-    return int(((batch * _GOLDEN + index * _GOLDEN * _GOLDEN) % 1.0) * span)
+    want = int(((row * _GOLDEN) % 1.0) * span)
+    return (want - step_tokens) % span
 
 
 def chunks_beside(
@@ -477,7 +484,7 @@ def run_micro(
     reruns = DECODE_RERUNS if plan.rerun_staggered else 0
     rows: list[BenchRow] = []
     said: set[tuple[int, int]] = set()  # (batch, prompt tokens) of the decode runs left out
-    for batch in plan.batch_sizes:
+    for batch_index, batch in enumerate(plan.batch_sizes):
         pilot: DecodeRun | None = None
         gen = plan.gen_tokens
         for it in range(plan.warmup + plan.iterations):
@@ -517,8 +524,10 @@ def run_micro(
                 pilot, gen = decode_together(
                     server, batch, plan.prompt_tokens, gen, gamma, reruns, info.kv_cache_tokens
                 )
+            first_row = batch_index * len(plan.chunk_tokens)
             planned = [
-                c + tile_phase_offset(batch, i, plan.chunk_phase_tokens) for i, c in enumerate(plan.chunk_tokens)
+                c + tile_phase_offset(batch * tokens_per_seq + c, first_row + i, plan.chunk_phase_tokens)
+                for i, c in enumerate(plan.chunk_tokens)
             ]
             for chunk in chunks_beside(planned, batch, tokens_per_seq, info.max_num_batched_tokens, warn):
                 single = probe_checked(server, [ProbeRequest(0.0, chunk, 1)])[0]
