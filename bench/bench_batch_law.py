@@ -67,9 +67,9 @@ def main() -> None:
     budget = lm.max_num_batched_tokens  # the step budget the directory was run with (--max-num-batched-tokens)
     if budget is not None and budget != truth.max_num_batched_tokens:
         truth = dataclasses.replace(truth, max_num_batched_tokens=int(budget))
-    views: list[StepView] = []
+    priced = StepPrices(lm, gamma)
     res: SimResult = serve(
-        truth.spec(gamma), poisson_load(args.rate, args.duration, args.workload, rng), rng, on_step=views.append
+        truth.spec(gamma), poisson_load(args.rate, args.duration, args.workload, rng), rng, on_step=priced
     )
     kept = res.arrival_s >= WARMUP_FRACTION * args.duration
     ends = np.cumsum(res.step_s)
@@ -85,7 +85,7 @@ def main() -> None:
         f"{steps:.1f} steps a request, "
         f"{1e3 * np.average(dur, weights=seqs):.1f} ms a step as a request sees it"
     )
-    _priced_steps(lm, gamma, [v for v, keep in zip(views, late, strict=True) if keep])
+    _priced_steps(priced.table()[late])
     limit = curve.stability_limit_rps
     latency = curve.latency_s(args.rate)
     print(
@@ -175,16 +175,35 @@ def calibrated_step_s(lm: model_mod.LatencyModel, gamma: int, view: StepView) ->
     return t
 
 
-def _priced_steps(lm: model_mod.LatencyModel, gamma: int, views: list[StepView]) -> None:
-    """Every step of the measured window priced by the calibration (calibrated_step_s) against
-    the truth's noise-free seconds, in all and by decoders, without and with prompt tokens: the
+class StepPrices:
+    """An ``on_step`` observer: each step the truth ran as four numbers (its noise-free seconds,
+    :func:`calibrated_step_s`'s price of it, its decoders, whether it computed prompt tokens),
+    priced as it runs: an hour at high load is a million steps, and their per-sequence arrays
+    would hold hundreds of MB until the end."""
+
+    def __init__(self, lm: model_mod.LatencyModel, gamma: int) -> None:
+        self.lm, self.gamma = lm, gamma
+        self._rows: list[tuple[float, float, int, bool]] = []
+
+    def __call__(self, view: StepView) -> None:
+        decoders = int((~view.prefill).sum())
+        self._rows.append(
+            (view.seconds, calibrated_step_s(self.lm, self.gamma, view), decoders, decoders < view.prefill.size)
+        )
+
+    def table(self) -> np.ndarray:
+        """One row a step, in order: seconds, price, decoders, prompts (1.0 or 0.0)."""
+        return np.array(self._rows, dtype=float).reshape(-1, 4)
+
+
+def _priced_steps(table: np.ndarray) -> None:
+    """Every step of the measured window priced by the calibration (:class:`StepPrices`) against
+    the truth's noise-free seconds, in all and by decoders, without and with prompts: the
     step's cost apart from how the chain composes steps into a latency."""
-    if not views:
+    if table.size == 0:
         return
-    truth_s = np.array([v.seconds for v in views])
-    model_s = np.array([calibrated_step_s(lm, gamma, v) for v in views])
-    decoders = np.array([int((~v.prefill).sum()) for v in views])
-    prompts = np.array([bool(v.prefill.any()) for v in views])
+    truth_s, model_s = table[:, 0], table[:, 1]
+    decoders, prompts = table[:, 2].astype(int), table[:, 3] > 0.5
 
     def error(pick: np.ndarray) -> str:
         return f"{100 * (model_s[pick].sum() / truth_s[pick].sum() - 1):+6.2f} %" if pick.any() else "      -"
