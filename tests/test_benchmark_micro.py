@@ -114,25 +114,26 @@ def test_mixed_steps_walk_the_tile_phases():
     # [0, 128). An offset walked by the batch alone (8·φ is 0.94 past a whole number) left each
     # chunk's steps within ~20 tokens of one phase: the line through them read the tiles'
     # cheapest or dearest corner.
+    walked = plan(
+        phases=("mixed",),
+        batch_sizes=tuple(range(8, 129, 8)),
+        chunk_tokens=(128, 512),
+        iterations=1,
+        chunk_phase_tokens=micro.TILE_PHASE_TOKENS,
+    )
     for gamma in (0, 2):
-        server = FakeBenchServer(draft_length=gamma, accepted_per_step=1)
-        rows = micro.run_micro(
-            server,
-            plan(
-                phases=("mixed",),
-                batch_sizes=tuple(range(8, 129, 8)),
-                chunk_tokens=(128, 512),
-                iterations=1,
-                chunk_phase_tokens=micro.TILE_PHASE_TOKENS,
-            ),
-        )
+        rows = micro.run_micro(FakeBenchServer(draft_length=gamma, accepted_per_step=1), walked)
+        again = micro.run_micro(FakeBenchServer(draft_length=gamma, accepted_per_step=1), walked)
+        chunks = [(r.batch_size, r.chunk_tokens) for r in by_phase(rows, "mixed")]
+        assert chunks == [
+            (r.batch_size, r.chunk_tokens) for r in by_phase(again, "mixed")
+        ]  # the same plan, the same chunks
         for planned in (128, 512):
             mixed = [r for r in by_phase(rows, "mixed") if planned <= r.chunk_tokens < planned + 128]
             assert len(mixed) == 16
             phases = np.array([(r.batch_size * (gamma + 1) + r.chunk_tokens) % 128 for r in mixed])
             assert np.bincount(phases // 16, minlength=8).min() >= 1, (gamma, planned, sorted(phases))
-    # the same plan, the same chunks; no walk, no offset
-    assert micro.tile_phase_offset(1000, 7, 128) == micro.tile_phase_offset(1000, 7, 128)
+    # no walk, no offset
     assert {micro.tile_phase_offset(b + 512, j, 0) for j, b in enumerate(fidelity.EVERY_8)} == {0}
 
 
