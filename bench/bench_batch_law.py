@@ -186,10 +186,8 @@ class StepPrices:
         self._rows: list[tuple[float, float, int, bool]] = []
 
     def __call__(self, view: StepView) -> None:
-        decoders = int((~view.prefill).sum())
-        self._rows.append(
-            (view.seconds, calibrated_step_s(self.lm, self.gamma, view), decoders, decoders < view.prefill.size)
-        )
+        price = calibrated_step_s(self.lm, self.gamma, view)
+        self._rows.append((view.seconds, price, int((~view.prefill).sum()), bool(view.prefill.any())))
 
     def table(self) -> np.ndarray:
         """One row a step, in order: seconds, price, decoders, prompts (1.0 or 0.0)."""
