@@ -115,14 +115,13 @@ def main() -> None:
     # calibration's staircase residual at those tokens, as the chain prices it.
     per_seq = gamma + 1 if gamma else 1
     table = lm.verify_staircase_on if gamma else lm.decode_staircase_off
-    nodes = model_mod.stair_nodes(table) if table else None
     alone = tokens <= seqs * per_seq
     print("\ndecode steps with no prompt: batch, steps, truth ms, model ms (line + staircase), error")
     for b in np.unique(seqs[alone]):
         pick = alone & (seqs == b)
         if pick.sum() < MIN_STEPS:
             continue
-        stair = float(np.interp(b * per_seq, *nodes, right=0.0)) if nodes else 0.0
+        stair = float(model_mod.stair_residual(table, b * per_seq)) if table else 0.0
         # A batch of b runs b − 1 besides each request: the step the chain prices in state b.
         model_s = curve.step(b - 1.0) + stair
         truth_s = float(dur[pick].mean())
@@ -170,7 +169,7 @@ def calibrated_step_s(lm: model_mod.LatencyModel, gamma: int, view: StepView) ->
     table = lm.verify_staircase_on if gamma else lm.decode_staircase_off
     if table:
         decoders = float((~prefill).sum())
-        stair = float(np.interp(decoders * per_seq, *model_mod.stair_nodes(table), right=0.0))
+        stair = float(model_mod.stair_residual(table, decoders * per_seq))
         t += stair * (model_mod.prompt_step_tread(lm, float(gamma)) if prefill.any() else 1.0)
     return t
 

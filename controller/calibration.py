@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
-from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload, stair_nodes
+from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload, stair_residual
 from controller.treads import describe as describe_treads
 from controller.treads import table_period
 
@@ -1332,8 +1332,8 @@ def prompt_step_treads(
     target's passes off it (SD off: near 0), and with SD the draft's single-token passes stay
     (γ = 4 on the simulated A100: 0.37). Fewer than three batch sizes with mixed rows: none.
     """
-    off = stair_nodes(tuple((float(s.batch_size), s.residual_s) for s in staircase)) if staircase else None
-    on = stair_nodes(tuple((float(s.step_tokens), s.residual_s) for s in verify)) if verify else None
+    off = tuple((float(s.batch_size), s.residual_s) for s in staircase)
+    on = tuple((float(s.step_tokens), s.residual_s) for s in verify)
     by_length: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if r.phase != "mixed":
@@ -1345,8 +1345,8 @@ def prompt_step_treads(
             continue
         batches = np.array(sorted(by_batch), dtype=float)
         mean = np.array([np.mean(by_batch[int(b)]) for b in batches])
-        nodes = on if gamma > 0 else off
-        tread = np.interp(batches * (gamma + 1), *nodes, right=0.0) if nodes else np.zeros_like(batches)
+        table = on if gamma > 0 else off
+        tread = stair_residual(table, batches * (gamma + 1)) if table else np.zeros_like(batches)
         share = 0.0
         if np.ptp(tread) > 0:
             coef, *_ = np.linalg.lstsq(np.column_stack([np.ones_like(tread), tread]), mean, rcond=None)

@@ -1403,16 +1403,36 @@ def stair_nodes(table: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.
     return np.array(tokens), np.array(residual)
 
 
+@functools.lru_cache(maxsize=64)
+def _stair_period(table: tuple[tuple[float, float], ...]) -> float:
+    """The table's tile period in tokens where it shows one and spans a whole one, else 0."""
+    found = table_period(table)
+    return 0.0 if found is None or table[-1][0] - table[0][0] < found.period else float(found.period)
+
+
+def stair_residual(table: tuple[tuple[float, float], ...], tokens):
+    """The staircase's residual (seconds) at these step tokens: :func:`stair_nodes` read between
+    the sizes benchmarked. Past the largest, where the table shows a tile period, the last whole
+    period benchmarked repeats: the tiles go on, and a draft length or a batch longer than any
+    the bench ran lands on the same treads (at 256 sequences every γ's verify step is a whole
+    number of 64-token tiles, the cheapest point of a tread, priced at the line without it).
+    Without a period nothing is known there: nothing is added. Scalars or arrays."""
+    xs, ys = stair_nodes(table)
+    period, top = _stair_period(table), xs[-1]
+    x = np.asarray(tokens, dtype=float)
+    if period:
+        x = np.where(x > top, x - np.ceil((x - top) / period) * period, x)
+    return np.interp(x, xs, ys, right=0.0)
+
+
 def _staircase(table: tuple[tuple[float, float], ...], steps: float, bound: float, tokens_per_seq: float) -> np.ndarray:
     """Seconds a request's decode steps (and the half step it waits) add at each state's batch,
     the calibration's residuals per step size (tokens: the batch × ``tokens_per_seq``)
     interpolated between the sizes benchmarked, where they are close enough to place the risers
-    (STAIR_MAX_GAP_TOKENS). Past the largest size benchmarked (a batch the bench never ran, a
-    draft length longer than any it ran) nothing is known: nothing is added.
+    (STAIR_MAX_GAP_TOKENS), and repeated by the tile period past the largest (:func:`stair_residual`).
     """
     top = min(math.floor(bound), MAX_STATES)
-    tokens, residual = stair_nodes(table)
-    return (steps + 0.5) * np.interp(_CHAIN_N[:top] * tokens_per_seq, tokens, residual, right=0.0)
+    return (steps + 0.5) * stair_residual(table, _CHAIN_N[:top] * tokens_per_seq)
 
 
 def bunched_wait_excess(lam, tau, delta, q: float):

@@ -196,9 +196,23 @@ def _tail_sums(last, top: int, r):
 def _with_tail(z, first, last, top: int, rate, tail_rps: float):
     """Σ n·p/λ over Σ p with the queue past ``top`` added (:func:`_tail_sums`). ``z`` is Σ p,
     ``first`` Σ n·p/λ and ``last`` p(top)/λ over the states up to ``top`` (scalars, or one value
-    per rate)."""
-    past, beyond = _tail_sums(last, top, rate / tail_rps)
-    return (first + beyond) / (z + rate * past)
+    per rate). A hair below the limit the sums come near a float's top and the queue's
+    1/(1 − r)² takes them past it: the same ratio is then taken over p(top)."""
+    r = rate / tail_rps
+    if isinstance(last, float):  # one rate: Python floats overflow to inf without a warning
+        past, beyond = _tail_sums(last, top, r)
+        out = (first + beyond) / (z + rate * past)
+        if math.isfinite(out):
+            return out
+        past, beyond = _tail_sums(1.0, top, r)
+        return (first / last + beyond) / (z / last + rate * past)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        past, beyond = _tail_sums(last, top, r)
+        out = (first + beyond) / (z + rate * past)
+        if np.all(np.isfinite(out)):
+            return out
+        past, beyond = _tail_sums(1.0, top, r)
+        return np.where(np.isfinite(out), out, (first / last + beyond) / (z / last + rate * past))
 
 
 # --------------------------------------------------------------------------------------------

@@ -671,6 +671,20 @@ def test_speedup_never_rises_with_rate_when_sd_has_the_larger_slope(model, workl
     assert np.all(np.diff(s) <= 1e-9 * np.maximum(1.0, np.abs(s[:-1])))
 
 
+def test_a_hair_below_the_limit_the_latency_is_finite_not_nan():
+    # 4,096 states of a chain whose sums come near a float's top: the queue past them, 1/(1 − r)²
+    # at r = 1 − 1e-9, took them past it and the latency (and the speedup) read NaN.
+    model = LatencyModel(target=StepCost(0.029296875, 6.103515625e-05), draft=StepCost(0.029296875, 6.103515625e-05))
+    model = replace(model, max_num_seqs=MAX_STATES)
+    workload = Workload(0.0, 1.0, 0.0)
+    lim_on = stability_limits(model, 0.0, 1, workload)[1]
+    rates = np.linspace(0.0, lim_on * (1 - 1e-9), 200)
+    p = predict(model, rates, 0.0, 1, workload)
+    assert np.all(np.isfinite(p.speedup)) and np.all(np.isfinite(p.on.latency_s))
+    near = [float(predict(model, lim_on * (1 - e), 0.0, 1, workload).on.latency_s) for e in (1e-6, 1e-8, 1e-9)]
+    assert all(math.isfinite(t) for t in near) and near[0] < near[1] < near[2]  # rising toward the limit
+
+
 def test_a_bound_that_caps_both_modes_lets_sd_outlast_plain_decoding():
     # The case the slope test sets aside: flat slopes, every state enumerated, both modes at the
     # bound. SD (α = 1, γ = 1: half the steps) then has the larger limit, so S grows near μ_off.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.model import stair_nodes
+from controller.model import stair_nodes, stair_residual
 from controller.treads import Treads, describe, riser_nodes, tile_period
 
 TREAD_SLOPE = -4e-5  # s a token: the fitted line rises along a flat tread
@@ -66,6 +66,29 @@ def test_the_chain_reads_the_tread_it_is_on_not_a_line_across_the_riser():
     # Straight across (what a table without a period reads) misses by up to most of a riser.
     straight = np.interp(every, SD_GRID, sawtooth(SD_GRID, period))
     assert np.abs(straight - sawtooth(every, period)).max() > 0.5 * RISE
+
+
+@pytest.mark.parametrize("period", [64, 128])
+def test_past_the_largest_step_benchmarked_the_tiles_go_on(period):
+    # γ = 6 beside 256 sequences is a 1,792-token step, past a bench of γ = 2 and 4 (≤ 1,280):
+    # it lands on the same treads, a whole number of tiles at the cheapest point of one.
+    table = tuple(zip(SD_GRID.tolist(), sawtooth(SD_GRID, period).tolist(), strict=True))
+    past = np.arange(SD_GRID[-1] + 1, 7 * 256 + 1, dtype=float)
+    np.testing.assert_allclose(stair_residual(table, past), sawtooth(past, period), atol=1e-12)
+    assert float(stair_residual(table, 7.0 * 256)) == pytest.approx(float(sawtooth(np.array([1792.0]), period)[0]))
+    inside = np.arange(SD_GRID[0], SD_GRID[-1] + 1, dtype=float)
+    np.testing.assert_array_equal(stair_residual(table, inside), np.interp(inside, *stair_nodes(table)))
+
+
+def test_without_a_period_nothing_is_added_past_the_bench():
+    rng = np.random.default_rng(5)
+    table = tuple(zip(SD_GRID.tolist(), rng.normal(0.0, 1e-4, SD_GRID.size).tolist(), strict=True))
+    assert stair_residual(table, np.array([1281.0, 1792.0, 4000.0])).tolist() == [0.0, 0.0, 0.0]
+    # A table shorter than one period has no whole period to repeat.
+    few = np.array([40.0, 48.0, 56.0, 63.0, 66.0, 70.0])
+    assert tile_period(few, sawtooth(few, 64)) == Treads(64, pytest.approx(TREAD_SLOPE))
+    short = tuple(zip(few.tolist(), sawtooth(few, 64).tolist(), strict=True))
+    assert float(stair_residual(short, 100.0)) == 0.0
 
 
 def test_describe_says_what_calibrate_found():
