@@ -213,7 +213,8 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
         "one/load-chat.csv": _rows(stored / "load-chat.csv", "12,off,0,", "13,off,0,", "13,on,2,"),
         "one/replicates/seed101/load-chat.csv": _rows(stored / "replicates/seed101/load-chat.csv", "13,off,0,"),
         "one/refined/seed7/load-chat.csv": _rows(stored / "refined/seed7/load-chat.csv", "10.5,off,0,", "11,off,0,"),
-        "two/load-code.csv": _rows(stored / "load-code.csv", "2,off,0,", "13,off,0,", "13,on,4,"),
+        "two/load-code.csv": _rows(stored / "load-code.csv", "2,off,0,", "13,off,0,", "13,on,4,", "15,on,2,"),
+        "two/replicates/seed101/load-code.csv": _rows(stored / "replicates/seed101/load-code.csv", "15,on,2,"),
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +231,10 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     # The same points validate finds in each directory, its load tests and replicates and refined runs pooled.
     model = calibration.load(stored / "calibration.json").latency_model()
     expected = {}
-    for d, files_of in (("one", [k for k in files if k.startswith("one/")]), ("two", ["two/load-code.csv"])):
+    for d, files_of in (
+        ("one", [k for k in files if k.startswith("one/")]),
+        ("two", [k for k in files if k.startswith("two/")]),
+    ):
         rows = [r for f in files_of for r in calibration.read_load_csv(tmp_path / f)[0]]
         workload = files_of[0].split("load-")[1].removesuffix(".csv")
         for pt in validate(model, rows).points:
@@ -248,7 +252,27 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     assert pooled["all"]["worst_error"] == pytest.approx(worst, rel=1e-12)
     assert pooled["rates"][pooled["worst_rate"]] == pytest.approx(worst, rel=1e-12)
     assert f"pooled 2 directories under {tmp_path}/" in run.stdout
-    assert f"rates past 10%: {sum(abs(e) > 0.10 for e in errors)}" in run.stdout
+    assert f"rates past 10%: {sum(abs(e) > 0.10 for e in errors)} (" in run.stdout
+    # Each rate past 10 % says whether its runs' own spread explains it, as validate judges it.
+    points = {
+        f"{d}/{w}/{pt.mode}@{pt.rate:g}": pt
+        for d, w, rows in (
+            (
+                "one",
+                "chat",
+                [r for k in files if k.startswith("one/") for r in calibration.read_load_csv(tmp_path / k)[0]],
+            ),
+            (
+                "two",
+                "code",
+                [r for k in files if k.startswith("two/") for r in calibration.read_load_csv(tmp_path / k)[0]],
+            ),
+        )
+        for pt in validate(model, rows).points
+    }
+    assert any(p["beyond_noise"] is not None for p in pooled["past_10"])  # code γ = 2 at 15 req/s, two runs
+    for p in pooled["past_10"]:
+        assert p["beyond_noise"] == points[p["rate"]].beyond_noise
 
 
 @pytest.mark.parametrize(
