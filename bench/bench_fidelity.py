@@ -685,7 +685,7 @@ def _print_pool(pooled: dict, root: Path, seconds: float) -> None:
     )
     for p in pooled["past_10"]:
         se = "" if p["error_in_se"] is None else f", {p['error_in_se']:+.1f} se"
-        noise = {True: ", beyond noise", False: "", None: ""}[p["beyond_noise"]]
+        noise = ", beyond noise" if p["beyond_noise"] else ""
         print(f"  {p['rate']}: {p['error']:+.1%}{se}{noise}{' (refined)' if p['refined'] else ''}")
     print(f"saturated rates not flagged overloaded: {pooled['saturated_not_flagged']}")
     print(f"steady rates called overloaded: {pooled['steady_called_overloaded']}")

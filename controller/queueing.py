@@ -199,20 +199,19 @@ def _with_tail(z, first, last, top: int, rate, tail_rps: float):
     per rate). A hair below the limit the sums come near a float's top and the queue's
     1/(1 − r)² takes them past it: the same ratio is then taken over p(top)."""
     r = rate / tail_rps
+
+    def ratio(z, first, last):
+        past, beyond = _tail_sums(last, top, r)
+        return (first + beyond) / (z + rate * past)
+
     if isinstance(last, float):  # one rate: Python floats overflow to inf without a warning
-        past, beyond = _tail_sums(last, top, r)
-        out = (first + beyond) / (z + rate * past)
-        if math.isfinite(out):
-            return out
-        past, beyond = _tail_sums(1.0, top, r)
-        return (first / last + beyond) / (z / last + rate * past)
+        out = ratio(z, first, last)
+        return out if math.isfinite(out) else ratio(z / last, first / last, 1.0)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        past, beyond = _tail_sums(last, top, r)
-        out = (first + beyond) / (z + rate * past)
+        out = ratio(z, first, last)
         if np.all(np.isfinite(out)):
             return out
-        past, beyond = _tail_sums(1.0, top, r)
-        return np.where(np.isfinite(out), out, (first / last + beyond) / (z / last + rate * past))
+        return np.where(np.isfinite(out), out, ratio(z / last, first / last, 1.0))
 
 
 # --------------------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     pooled = json.loads(out.read_text())
     # The same points validate finds in each directory, its load tests and replicates and refined runs pooled.
     model = calibration.load(stored / "calibration.json").latency_model()
-    expected = {}
+    expected, points = {}, {}
     for d, files_of in (
         ("one", [k for k in files if k.startswith("one/")]),
         ("two", [k for k in files if k.startswith("two/")]),
@@ -239,6 +239,7 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
         workload = files_of[0].split("load-")[1].removesuffix(".csv")
         for pt in validate(model, rows).points:
             if pt.error is not None:
+                points[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt
                 expected[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt.error
     assert pooled["rates"] == pytest.approx(expected, rel=1e-12)
     assert set(expected) >= {"one/chat/off@13", "one/chat/off@10.5", "two/code/off@2"}
@@ -254,22 +255,6 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     assert f"pooled 2 directories under {tmp_path}/" in run.stdout
     assert f"rates past 10%: {sum(abs(e) > 0.10 for e in errors)} (" in run.stdout
     # Each rate past 10 % says whether its runs' own spread explains it, as validate judges it.
-    points = {
-        f"{d}/{w}/{pt.mode}@{pt.rate:g}": pt
-        for d, w, rows in (
-            (
-                "one",
-                "chat",
-                [r for k in files if k.startswith("one/") for r in calibration.read_load_csv(tmp_path / k)[0]],
-            ),
-            (
-                "two",
-                "code",
-                [r for k in files if k.startswith("two/") for r in calibration.read_load_csv(tmp_path / k)[0]],
-            ),
-        )
-        for pt in validate(model, rows).points
-    }
     assert any(p["beyond_noise"] is not None for p in pooled["past_10"])  # code γ = 2 at 15 req/s, two runs
     for p in pooled["past_10"]:
         assert p["beyond_noise"] == points[p["rate"]].beyond_noise
