@@ -122,8 +122,9 @@ def main() -> None:
         if pick.sum() < MIN_STEPS:
             continue
         stair = float(model_mod.stair_residual(table, b * per_seq)) if table else 0.0
-        # A batch of b runs b − 1 besides each request: the step the chain prices in state b.
-        model_s = curve.step(b - 1.0) + stair
+        # A batch of b decoders runs b − 1 besides each request; the chain's τ(B) decodes 1 + φ·B
+        # of B others (the rest compute prompts), so b decoders are about its τ at (b − 1)/φ.
+        model_s = curve.step((b - 1.0) / curve.decoding_share) + stair
         truth_s = float(dur[pick].mean())
         print(
             f"  {b:4d} {pick.sum():6d} {1e3 * truth_s:8.2f} {1e3 * model_s:8.2f} {100 * (model_s / truth_s - 1):+6.1f} %"

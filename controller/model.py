@@ -468,6 +468,10 @@ class _ModeTerms:
     step1: float
     step_ctx: float
     step_hinges: tuple[tuple[float, float, bool], ...]  # (at > 0, w, True), sorted
+    # What of step1, step_ctx and the hinges the decoders' own tokens cost (decoding_share).
+    decode1: float
+    decode_ctx: float
+    decode_hinges: tuple[tuple[float, float, bool], ...]
     # Δ(B) = E_P[Σ_cost t(k·(B + 1) + P) − t(k·(B + 1))] over the costs that price a prompt: the
     # slope terms leave prompt_slope·E[P], attention prompt_pairs·E[P²]/2, each knee a hinge
     # per prompt node (+ its weight, moved by P) and one against it (−, fixed: folded in here).
@@ -506,20 +510,26 @@ def _add_hinge(line: list[float], hinges: list[Hinge], at: float, w: float) -> N
 def _mode_terms(model: LatencyModel, sd: bool, draft_length: float) -> _ModeTerms:
     target, draft, verify, prefill = _step_costs(model, sd)
     k = draft_length + 1.0 if sd else 1.0
+    # The pass over the decoders' k tokens each (target or verify; schema 1 also the draft's first)
+    # apart from the rest (the draft's single-token passes, the step's overhead): a sequence
+    # computing its prompt is scheduled, and drafts, but adds no decode tokens (decoding_share).
+    decode, decode_hinges = [0.0, 0.0], []
+    decode_pass = verify if sd and verify is not None else target
+    ctx_dec = _add_pass(decode, decode_hinges, decode_pass, 1.0, k)
+    seq_s = decode_pass.seq_s
     step, step_hinges = [0.0, 0.0], []
+    ctx = 0.0
     if sd:
         # Schema 1: verify prices the whole SD step in one fit. Schema 2: vLLM v1's proposer runs
         # one draft pass over the step's tokens (the verified γ+1 of each sequence), then γ − 1
         # single-token passes.
-        ctx = _add_pass(step, step_hinges, verify if verify is not None else target, 1.0, k)
         if verify is None:
-            ctx += _add_pass(step, step_hinges, draft, 1.0, k)
+            ctx_dec += _add_pass(decode, decode_hinges, draft, 1.0, k)
+            seq_s += draft.seq_s
             ctx += _add_pass(step, step_hinges, draft, draft_length - 1.0, 1.0)
         else:
             ctx += _add_pass(step, step_hinges, draft, draft_length, 1.0)
         step[0] += model.sd_overhead_s * model.scale_on
-    else:
-        ctx = _add_pass(step, step_hinges, target, 1.0, 1.0)
     priced = [] if prefill is not None else [target]
     if sd and model.draft_prefills and not draft.is_zero:
         priced.append(draft)
@@ -530,10 +540,13 @@ def _mode_terms(model: LatencyModel, sd: bool, draft_length: float) -> _ModeTerm
             _add_hinge(prompt, prompt_hinges, knee / k - 1.0, -delta * k)
     return _ModeTerms(
         k,
-        step[0],
-        step[1],
-        ctx,
+        step[0] + decode[0],
+        step[1] + decode[1],
+        ctx + ctx_dec,
         tuple(sorted((at, w, True) for at, w in step_hinges)),
+        decode[1] - seq_s,
+        ctx_dec,
+        tuple(sorted((at, w, True) for at, w in decode_hinges)),
         prompt[0],
         prompt[1],
         sum(c.slope_s_per_token for c in priced),
@@ -693,6 +706,9 @@ class ModeCurve:
     # With prompts, the chain with arrivals in bursts (queueing.burst_time_in_system) the
     # latency is read from; None: the birth–death chain of cum_log_rates.
     bursts: Bursts | None = field(default=None, compare=False, repr=False)
+    # Of the others in the batch, the share that decodes in a step (decoding_share): τ(B) runs
+    # the decoders' tokens for 1 + φ·B sequences.
+    decoding_share: float = 1.0
 
     @property
     def metastable_band_rps(self) -> tuple[float, float]:
@@ -1010,6 +1026,30 @@ class _ChainTerms(NamedTuple):
     gen_tokens: float
     mean_prompt: float
     q: float  # what the curve keeps (1.0 without prompts)
+    phi: float  # the others' share decoding (decoding_share; 1.0 without prompts)
+
+
+def _line_at(line: tuple[float, float, Sequence[Hinge]], batch: float) -> float:
+    c0, c1, hinges = line
+    return c0 + c1 * batch + sum(h[1] * (batch - h[0]) for h in hinges if h[0] < batch)
+
+
+def decoding_share(steps: float, tau: tuple, delta: tuple, bound: float) -> float:
+    """φ: the share of a request's others in the batch that decode in a step, steps/(steps + W).
+
+    Before its ``steps`` decode steps a request spends W = 1 + Δ/S̄ mean steps in the batch
+    computing its prompt: its own step, longer than the mean S̄ by its prompt Δ. It is
+    scheduled then (a running request, under the batch bound) but adds no decode tokens; its
+    chunk is priced by Δ. Taken at a full batch, where τ's slope in B weighs most, with S̄ the
+    step there: τ plus the B prompts of a request's stay spread over its steps. ``tau`` and
+    ``delta`` are (c0, c1, hinges) lines in B.
+    """
+    full = max(bound - 1.0, 0.0)  # the others beside one request in a full batch
+    tau_b, delta_b = _line_at(tau, full), _line_at(delta, full)
+    mean_step = tau_b + (full + 1.0) / (steps + PREFILL_WAIT_STEPS) * delta_b
+    if not (mean_step > 0.0 and steps > 0.0):
+        return 1.0
+    return steps / (steps + 1.0 + max(delta_b, 0.0) / mean_step)
 
 
 def _chain_terms(
@@ -1025,15 +1065,19 @@ def _chain_terms(
     if kv_bound:
         bound = max(1.0, kv / held)
     # Only the hinges inside (0, bound) make segments; the rest fold (as _add_hinge does) or never act.
-    s0, s1 = terms.step0 + terms.step_ctx * ctx, terms.step1 + terms.step_ctx * ctx
-    hinges = [*terms.step_hinges[: bisect.bisect_left(terms.step_hinges, bound, key=_AT)]]
-    d0 = d1 = 0.0
     p, k = workload.computed_prompt_tokens, terms.step_tokens
+    g = max(float(workload.gen_tokens), 1.0)
+    steps = (g - 1.0) / accepted_length
+    s0, s1 = terms.step0 + terms.step_ctx * ctx, terms.step1 + terms.step_ctx * ctx
+    step_hinges = [h for h in (*terms.step_hinges, *terms.decode_hinges) if h[0] < bound]
+    d0 = d1 = 0.0
+    phi = 1.0
+    prompt_hinges: list[Hinge] = []
     if p > 0:
         d0, d1 = terms.prompt0 + terms.prompt_slope * mean_p + terms.prompt_pairs * pairs, terms.prompt1
         if terms.prefill is not None:  # schema 1: stand-alone prefill slope, no mixed-step data
             d0 += terms.prefill.scalar(p, p) - terms.prefill.intercept_s
-        hinges += terms.prompt_hinges[: bisect.bisect_left(terms.prompt_hinges, bound, key=_AT)]
+        prompt_hinges += terms.prompt_hinges[: bisect.bisect_left(terms.prompt_hinges, bound, key=_AT)]
         for knee, w_knee in terms.prompt_knees:
             for w, x in bins:
                 at = (knee - x) / k - 1.0
@@ -1041,10 +1085,14 @@ def _chain_terms(
                     d0 -= w * w_knee * at
                     d1 += w * w_knee
                 elif at < bound:
-                    hinges.append((at, w * w_knee, False))
-        hinges.sort()
-    g = max(float(workload.gen_tokens), 1.0)
-    steps = (g - 1.0) / accepted_length
+                    prompt_hinges.append((at, w * w_knee, False))
+        phi = decoding_share(steps, (s0, s1, step_hinges), (d0, d1, prompt_hinges), bound)
+        s1 -= (1.0 - phi) * (terms.decode1 + terms.decode_ctx * ctx)
+        step_hinges = [
+            *(h for h in terms.step_hinges if h[0] < bound),
+            *((at / phi, w * phi, True) for at, w, _ in terms.decode_hinges if at < bound * phi),
+        ]
+    hinges = sorted([*step_hinges, *prompt_hinges])
     q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
     segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
     table = model.verify_staircase_on if sd else model.decode_staircase_off
@@ -1070,6 +1118,7 @@ def _chain_terms(
         g,
         mean_p,
         q,
+        phi,
     )
 
 
@@ -1119,6 +1168,7 @@ def _finish_curve(
         None
         if stall is None
         else bursts_of(chain, stall, length_overlap(c.gen_tokens, math.sqrt(workload.gen_tokens_var))),
+        c.phi,
     )
     if budget is not None and p > 0:
         limit = _budget_limit(curve, float(budget), p, None if c.chunking is None else c.chunking[0])

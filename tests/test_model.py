@@ -109,14 +109,55 @@ def test_prompt_is_priced_at_its_marginal_cost_on_a_mixed_step():
     for b in (0.0, 20.0, 150.0):
         expect = target.scalar(b + 1 + 500) - target.scalar(b + 1)
         assert off.prompt(b) == pytest.approx(expect)
-    # X = 100.5·τ(B + 1) + (B + 1)·Δ(B), and the wait for the step in flight λ·R with
+    # X = 100.5·τ(B) + (B + 1)·Δ(B), and the wait for the step in flight λ·R with
     # R = Δ·(τ + Δ)/2 (one prompt length: E[Δ²] = Δ²) and λ = B/T: T = X + B·R/T.
     b = 20.0
-    tau, delta = target.scalar(b + 1), off.prompt(b)
+    tau, delta = off.step(b), off.prompt(b)
     x, r = steps() * tau + (b + 1) * delta, 0.5 * delta * (tau + delta)
     t = off.latency_at_batch(b)
     assert t == pytest.approx(x + b * r / t)
     assert t > x
+
+
+def _share(steps: float, tau_bound: float, delta_bound: float, bound: float = 256.0) -> float:
+    """φ by hand: the others' share decoding, steps/(steps + 1 + Δ/S̄), S̄ the mean step of a full batch."""
+    mean_step = tau_bound + bound / (steps + 1.5) * delta_bound
+    return steps / (steps + 1 + delta_bound / mean_step)
+
+
+def test_a_step_decodes_only_the_others_past_their_prompt():
+    # 10 ms + 1 ms a token, 500-token prompts, 100 generated: of B others in the batch, a share
+    # φ decodes; the rest are in the step of their own prompt (priced by Δ), so τ(B) runs
+    # 1 + φ·B decode tokens, not B + 1.
+    target = StepCost(0.010, 0.001)
+    m = LatencyModel(target=target, max_num_seqs=256)
+    off, _ = curves(m, 0.5, 1, Workload(500, 100, 0.0))
+    phi = _share(99.0, target.scalar(256), 0.5)
+    assert 0.98 < phi < 0.99
+    assert off.decoding_share == pytest.approx(phi)
+    for b in (0.0, 20.0, 200.0):
+        assert off.step(b) == pytest.approx(target.scalar(1 + phi * b))
+    # Without prompts every request in the batch decodes.
+    bare, _ = curves(m, 0.5, 1, Workload(0, 100, 0.0))
+    assert bare.decoding_share == 1.0
+    assert bare.step(200.0) == pytest.approx(target.scalar(201))
+
+
+def test_with_sd_a_prompt_step_still_drafts_but_adds_no_verify_tokens():
+    # The target and the draft's first pass run k = γ + 1 tokens a decoder; the draft's γ − 1
+    # single-token passes run every scheduled sequence, a prompt's last chunk included.
+    target, draft = StepCost(0.010, 0.001), StepCost(0.002, 0.0002)
+    m = LatencyModel(target=target, draft=draft, max_num_seqs=256)
+    _, on = curves(m, 0.5, 2, Workload(500, 100, 0.0))
+    k = 3
+
+    def tau(decoders: float, scheduled: float) -> float:
+        return target.scalar(k * decoders) + draft.scalar(k * decoders) + draft.scalar(scheduled)
+
+    phi = _share(on.steps, tau(256, 256), on.prompt(255.0))
+    assert 0.96 < phi < 0.99
+    for b in (0.0, 20.0, 200.0):
+        assert on.step(b) == pytest.approx(tau(1 + phi * b, b + 1))
 
 
 def test_an_arrival_waits_for_the_step_in_flight_weighted_by_its_length():
