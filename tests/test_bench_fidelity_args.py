@@ -208,19 +208,22 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     from controller import calibration
     from controller.validation import validate
 
-    stored = ROOT / "bench/results/fidelity-h100"
+    stored = {"one": ROOT / "bench/results/fidelity-h100", "two": ROOT / "bench/results/fidelity-h100-draft-lengths"}
+    one, two = stored["one"], stored["two"]
+    # γ = 6 at 14 req/s on three seeds: +12.6 %, beyond its runs' spread (README, Stop 57).
     files = {
-        "one/load-chat.csv": _rows(stored / "load-chat.csv", "12,off,0,", "13,off,0,", "13,on,2,"),
-        "one/replicates/seed101/load-chat.csv": _rows(stored / "replicates/seed101/load-chat.csv", "13,off,0,"),
-        "one/refined/seed7/load-chat.csv": _rows(stored / "refined/seed7/load-chat.csv", "10.5,off,0,", "11,off,0,"),
-        "two/load-code.csv": _rows(stored / "load-code.csv", "2,off,0,", "13,off,0,", "13,on,4,", "15,on,2,"),
-        "two/replicates/seed101/load-code.csv": _rows(stored / "replicates/seed101/load-code.csv", "15,on,2,"),
+        "one/load-chat.csv": _rows(one / "load-chat.csv", "12,off,0,", "13,off,0,", "13,on,2,"),
+        "one/replicates/seed101/load-chat.csv": _rows(one / "replicates/seed101/load-chat.csv", "13,off,0,"),
+        "one/refined/seed7/load-chat.csv": _rows(one / "refined/seed7/load-chat.csv", "10.5,off,0,", "11,off,0,"),
+        "two/load-code.csv": _rows(two / "load-code.csv", "2,on,3,", "15,on,3,", "14,on,6,"),
+        "two/replicates/seed101/load-code.csv": _rows(two / "replicates/seed101/load-code.csv", "15,on,3,", "14,on,6,"),
+        "two/replicates/seed102/load-code.csv": _rows(two / "replicates/seed102/load-code.csv", "14,on,6,"),
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
     for d in ("one", "two"):
-        (tmp_path / d / "calibration.json").write_bytes((stored / "calibration.json").read_bytes())
+        (tmp_path / d / "calibration.json").write_bytes((stored[d] / "calibration.json").read_bytes())
     (tmp_path / "notes").mkdir()  # neither a calibration nor load tests: not a result directory
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     out = tmp_path.parent / f"{tmp_path.name}-pooled.json"
@@ -229,12 +232,12 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written in ROOT
     pooled = json.loads(out.read_text())
     # The same points validate finds in each directory, its load tests and replicates and refined runs pooled.
-    model = calibration.load(stored / "calibration.json").latency_model()
     expected, points = {}, {}
     for d, files_of in (
         ("one", [k for k in files if k.startswith("one/")]),
         ("two", [k for k in files if k.startswith("two/")]),
     ):
+        model = calibration.load(stored[d] / "calibration.json").latency_model()
         rows = [r for f in files_of for r in calibration.read_load_csv(tmp_path / f)[0]]
         workload = files_of[0].split("load-")[1].removesuffix(".csv")
         for pt in validate(model, rows).points:
@@ -242,7 +245,7 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
                 points[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt
                 expected[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt.error
     assert pooled["rates"] == pytest.approx(expected, rel=1e-12)
-    assert set(expected) >= {"one/chat/off@13", "one/chat/off@10.5", "two/code/off@2"}
+    assert set(expected) >= {"one/chat/off@13", "one/chat/off@10.5", "two/code/on(γ=3)@2"}
     errors = list(expected.values())
     assert pooled["all"]["rates"] == len(errors) == pooled["grid"]["rates"] + pooled["refined"]["rates"]
     assert pooled["all"]["mean_abs_error"] == pytest.approx(sum(map(abs, errors)) / len(errors), rel=1e-12)
@@ -255,7 +258,7 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     assert f"pooled 2 directories under {tmp_path}/" in run.stdout
     assert f"rates past 10%: {sum(abs(e) > 0.10 for e in errors)} (" in run.stdout
     # Each rate past 10 % says whether its runs' own spread explains it, as validate judges it.
-    assert any(p["beyond_noise"] is not None for p in pooled["past_10"])  # code γ = 2 at 15 req/s, two runs
+    assert any(p["beyond_noise"] for p in pooled["past_10"])  # code γ = 6 at 14 req/s, three runs
     for p in pooled["past_10"]:
         assert p["beyond_noise"] == points[p["rate"]].beyond_noise
 

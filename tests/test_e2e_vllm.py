@@ -79,7 +79,7 @@ def synthetic_calibration() -> CalibrationFile:
     """Step costs chosen so that SD pays at LOW_RPS and loses at HIGH_RPS for any acceptance
     the n-gram drafts plausibly reach (0.3-1.0): a cheap verify step for a lone request (8 ms
     for its 5 tokens vs a 10 ms target step, but E[N] tokens per step) whose cost climbs steeply
-    once others share it (a knee at 5.2 tokens, 30 ms per token past it), so SD's capacity is
+    once others share it (a knee at 5.2 tokens, 33 ms per token past it), so SD's capacity is
     ~0.5-1 req/s while plain decoding's is far higher. Not a measurement: see examples/calibration-cpu-tiny.json."""
     return CalibrationFile(
         schema_version=2,
@@ -98,7 +98,7 @@ def synthetic_calibration() -> CalibrationFile:
             verify=PhaseSpec(
                 intercept_s=0.008,
                 slope_s_per_token=0.0,
-                knees=[KneeSpec(at_tokens=5.2, slope_delta_s_per_token=0.03)],
+                knees=[KneeSpec(at_tokens=5.2, slope_delta_s_per_token=0.033)],
             ),
             draft_prefills=False,
         ),
