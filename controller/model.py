@@ -1069,7 +1069,8 @@ def _chain_terms(
     g = max(float(workload.gen_tokens), 1.0)
     steps = (g - 1.0) / accepted_length
     s0, s1 = terms.step0 + terms.step_ctx * ctx, terms.step1 + terms.step_ctx * ctx
-    step_hinges = [h for h in (*terms.step_hinges, *terms.decode_hinges) if h[0] < bound]
+    step_hinges = terms.step_hinges[: bisect.bisect_left(terms.step_hinges, bound, key=_AT)]
+    decode_hinges = terms.decode_hinges[: bisect.bisect_left(terms.decode_hinges, bound, key=_AT)]
     d0 = d1 = 0.0
     phi = 1.0
     prompt_hinges: list[Hinge] = []
@@ -1086,13 +1087,11 @@ def _chain_terms(
                     d1 += w * w_knee
                 elif at < bound:
                     prompt_hinges.append((at, w * w_knee, False))
-        phi = decoding_share(steps, (s0, s1, step_hinges), (d0, d1, prompt_hinges), bound)
+        phi = decoding_share(steps, (s0, s1, (*step_hinges, *decode_hinges)), (d0, d1, prompt_hinges), bound)
         s1 -= (1.0 - phi) * (terms.decode1 + terms.decode_ctx * ctx)
-        step_hinges = [
-            *(h for h in terms.step_hinges if h[0] < bound),
-            *((at / phi, w * phi, True) for at, w, _ in terms.decode_hinges if at < bound * phi),
-        ]
-    hinges = sorted([*step_hinges, *prompt_hinges])
+    # The decoders' hinges sit at 1 + φ·B decoders: at B = at/φ, each φ as steep.
+    scaled = ((at / phi, w * phi, True) for at, w, _ in decode_hinges if at < bound * phi)
+    hinges = sorted([*step_hinges, *scaled, *prompt_hinges])
     q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
     segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
     table = model.verify_staircase_on if sd else model.decode_staircase_off
