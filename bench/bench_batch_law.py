@@ -101,7 +101,8 @@ def main() -> None:
     truth_law = np.bincount(running, weights=dur) / dur.sum()
     width = max(1, int(np.ceil(max(running.max(), 1) / 16)))
     print(f"\nrequests in the server (time-weighted; the truth's running gauge, the model's chain), width {width}")
-    print(f"  truth mean {_mean_sd(truth_law)}, model {_mean_sd(law)} (with its queue: mean {args.rate * latency:.1f})")
+    queue = f"with its queue, each past the bound counted {curve.queue_variability:.2f}"  # queueing.queue_variability
+    print(f"  truth mean {_mean_sd(truth_law)}, model {_mean_sd(law)} ({queue}: mean {args.rate * latency:.1f})")
     for lo in range(0, int(running.max()) + 1, width):
         t = truth_law[lo : lo + width].sum()
         m = law[lo : lo + width].sum()

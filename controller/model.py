@@ -59,8 +59,8 @@ from controller.queueing import (
     length_overlap,
     mean_time_in_system,
     mean_time_in_system_below,
-    mean_time_in_system_many,
     mean_time_in_window,
+    queue_variability,
 )
 from controller.treads import riser_nodes, table_period
 
@@ -709,6 +709,9 @@ class ModeCurve:
     # Of the others in the batch, the share that decodes in a step (decoding_share): τ(B) runs
     # the decoders' tokens for 1 + φ·B sequences.
     decoding_share: float = 1.0
+    # f = (C_a² + C_s²)/2 past a full batch of max_num_seqs: the queue there holds f times the
+    # chain's (queueing.queue_variability); 1 where the KV cache bounds the batch.
+    queue_variability: float = 1.0
 
     @property
     def metastable_band_rps(self) -> tuple[float, float]:
@@ -779,8 +782,8 @@ class ModeCurve:
         if rate_rps <= 0.0:
             return self.alone_s
         if self.bursts is not None:
-            return burst_time_in_system(rate_rps, self.bursts, limit, self.bursts_fit)
-        return mean_time_in_system(rate_rps, self.cum_log_rates, limit, self.inverse_rates)
+            return burst_time_in_system(rate_rps, self.bursts, limit, self.bursts_fit, self.queue_variability)
+        return mean_time_in_system(rate_rps, self.cum_log_rates, limit, self.inverse_rates, self.queue_variability)
 
     @functools.cached_property
     def inverse_rates(self) -> np.ndarray | None:
@@ -803,18 +806,20 @@ class ModeCurve:
         limit = self.stability_limit_rps
         live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
         at = np.where(live, rates, 0.5 * limit)
+        f = self.queue_variability
         if self.bursts is not None:
-            t = burst_time_in_system_below(at, self.bursts, limit, self.bursts_fit)
+            t = burst_time_in_system_below(at, self.bursts, limit, self.bursts_fit, f)
         else:
-            t = mean_time_in_system_many(at, self.cum_log_rates, limit, self.inverse_rates)
+            t = mean_time_in_system_below(at, self.cum_log_rates, limit, self.inverse_rates, f)
         out = np.where(live, t, np.where(rates > 0.0, math.inf, self.alone_s))
         return out.tolist()
 
     def latencies_below_limit_s(self, rates_rps: np.ndarray) -> np.ndarray:
         """:meth:`latencies_s` at rates all in (0, the limit), unchecked (a grid below it)."""
+        limit, f = self.stability_limit_rps, self.queue_variability
         if self.bursts is not None:
-            return burst_time_in_system_below(rates_rps, self.bursts, self.stability_limit_rps, self.bursts_fit)
-        return mean_time_in_system_below(rates_rps, self.cum_log_rates, self.stability_limit_rps, self.inverse_rates)
+            return burst_time_in_system_below(rates_rps, self.bursts, limit, self.bursts_fit, f)
+        return mean_time_in_system_below(rates_rps, self.cum_log_rates, limit, self.inverse_rates, f)
 
     def latency_scaled_s(self, rate_rps: float, cost_scale: float) -> float:
         """Latency if every step cost were ``cost_scale`` times larger: s·T(s·λ)."""
@@ -830,7 +835,13 @@ class ModeCurve:
             return self.latency_scaled_s(rate_rps, cost_scale)
         s = cost_scale
         return s * mean_time_in_window(
-            rate_rps * s, self.cum_log_rates, self.stability_limit_rps, duration_s / s, warmup_s / s, self.bursts
+            rate_rps * s,
+            self.cum_log_rates,
+            self.stability_limit_rps,
+            duration_s / s,
+            warmup_s / s,
+            self.bursts,
+            self.queue_variability,
         )
 
     def throughput_at_batch(self, batch: float, budget: float | None, prompt_tokens: float) -> float:
@@ -1168,6 +1179,7 @@ def _finish_curve(
         if stall is None
         else bursts_of(chain, stall, length_overlap(c.gen_tokens, math.sqrt(workload.gen_tokens_var))),
         c.phi,
+        1.0 if kv_bound else queue_variability(workload.service_scv),
     )
     if budget is not None and p > 0:
         limit = _budget_limit(curve, float(budget), p, None if c.chunking is None else c.chunking[0])

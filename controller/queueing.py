@@ -100,14 +100,19 @@ def inverse_rates(cum_log_rates: np.ndarray, tail_rps: float) -> np.ndarray | No
 
 
 def mean_time_in_system(
-    rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float, inverse: np.ndarray | None = None
+    rate_rps: float,
+    cum_log_rates: np.ndarray,
+    tail_rps: float,
+    inverse: np.ndarray | None = None,
+    queue_scale: float = 1.0,
 ) -> float:
     """E[n]/λ (Little) for a rate > 0; +inf at or past ``tail_rps``.
 
     Summed as Σ n·λⁿ⁻¹/Πh over Σ λⁿ/Πh: at a vanishing rate E[n] underflows long before the
     latency it stands for, so the 1/λ is taken inside the sums. With ``inverse``
     (:func:`inverse_rates`) the terms are a running product of λ/h(n): no exponentials, which
-    were most of the sums' cost; without, in log space.
+    were most of the sums' cost; without, in log space. ``queue_scale`` f: the queue past the
+    last state holds f times the chain's (:func:`queue_variability`).
     """
     if rate_rps >= tail_rps:
         return math.inf
@@ -118,7 +123,7 @@ def mean_time_in_system(
         q[0] = inverse[0]
         _PRODUCT(q, out=q)
         z, first = (weights @ q).tolist()
-        return _with_tail(1.0 + rate_rps * z, first, q.item(-1), top, rate_rps, tail_rps)
+        return _with_tail(1.0 + rate_rps * z, first, q.item(-1), top, rate_rps, tail_rps, queue_scale)
     log_rate = math.log(rate_rps)
     log_q = states * log_rate  # (n − 1)·ln λ − C[n], n = 1..top: p(n)/λ
     log_q -= cum_log_rates[1:]
@@ -128,23 +133,31 @@ def mean_time_in_system(
     log_q -= shift
     q = np.exp(log_q, out=log_q)
     z, first = (weights @ q).tolist()
-    return _with_tail(math.exp(-shift) + rate_rps * z, first, q.item(-1), top, rate_rps, tail_rps)
+    return _with_tail(math.exp(-shift) + rate_rps * z, first, q.item(-1), top, rate_rps, tail_rps, queue_scale)
 
 
 def mean_time_in_system_many(
-    rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float, inverse: np.ndarray | None = None
+    rates_rps: np.ndarray,
+    cum_log_rates: np.ndarray,
+    tail_rps: float,
+    inverse: np.ndarray | None = None,
+    queue_scale: float = 1.0,
 ) -> np.ndarray:
     """:func:`mean_time_in_system` at many rates > 0 in one pass: the same sums, one row per rate."""
     rates = np.asarray(rates_rps, dtype=float)
     out = np.full(rates.shape, math.inf)
     ok = rates < tail_rps
     if ok.any():
-        out[ok] = mean_time_in_system_below(rates[ok], cum_log_rates, tail_rps, inverse)
+        out[ok] = mean_time_in_system_below(rates[ok], cum_log_rates, tail_rps, inverse, queue_scale)
     return out
 
 
 def mean_time_in_system_below(
-    rates_rps: np.ndarray, cum_log_rates: np.ndarray, tail_rps: float, inverse: np.ndarray | None = None
+    rates_rps: np.ndarray,
+    cum_log_rates: np.ndarray,
+    tail_rps: float,
+    inverse: np.ndarray | None = None,
+    queue_scale: float = 1.0,
 ) -> np.ndarray:
     """:func:`mean_time_in_system_many` at rates all in (0, ``tail_rps``), unchecked: a grid
     below the limit (break-even rates) pays no masks."""
@@ -155,14 +168,30 @@ def mean_time_in_system_below(
         q[:, 0] = inverse[0]
         _PRODUCT(q, axis=1, out=q)
         z, first = weights @ q.T
-        return _with_tail(1.0 + lam * z, first, q[:, -1], top, lam, tail_rps)
+        return _with_tail(1.0 + lam * z, first, q[:, -1], top, lam, tail_rps, queue_scale)
     log_rate = np.log(lam)
     log_q = log_rate[:, None] * states - cum_log_rates[1:]
     shift = np.maximum(_MAX(log_q, axis=1) + log_rate, 0.0)
     log_q -= shift[:, None]
     q = np.exp(log_q, out=log_q)
     z, first = weights @ q.T
-    return _with_tail(np.exp(-shift) + lam * z, first, q[:, -1], top, lam, tail_rps)
+    return _with_tail(np.exp(-shift) + lam * z, first, q[:, -1], top, lam, tail_rps, queue_scale)
+
+
+def queue_variability(service_scv: float, arrival_scv: float = 1.0) -> float:
+    """f = (C_a² + C_s²)/2: how many times the memoryless chain's queue past a full batch of a
+    fixed count of sequences the real one holds (the Allen–Cunneen factor of M/G/c: the wait in
+    queue scales by f, the law of the running batch stays the chain's).
+
+    With max_num_seqs running, each completion admits the next waiting request: the batch is c
+    servers, each holding a request for its service (its decode steps, ∝ its generated tokens,
+    squared coefficient of variation C_s²). The c renewal processes' completions over a long
+    time have the variance of C_s² Poisson ones, the arrivals C_a² (1: Poisson); near the limit
+    the queue is the diffusion of their difference, whose mean scales with (C_a² + C_s²)/2.
+    Memoryless lengths give 1, the chain's own tail; the fidelity bench's gamma lengths of shape
+    2–2.5 give 0.70–0.75. Where the KV cache bounds the batch the count it holds moves with the
+    lengths of the requests in it, and this does not apply."""
+    return 0.5 * (max(float(arrival_scv), 0.0) + max(float(service_scv), 0.0))
 
 
 def stationary_law(rate_rps: float, cum_log_rates: np.ndarray, tail_rps: float) -> tuple[np.ndarray, float]:
@@ -186,14 +215,15 @@ def _law_with_tail(log_p: np.ndarray, r: float) -> tuple[np.ndarray, float]:
     return p / total, past / total
 
 
-def _tail_sums(last, top: int, r):
+def _tail_sums(last, top: int, r, queue_scale: float = 1.0):
     """(Σ p, Σ n·p) over the queue past ``top``, whose weights are p(top)·rᵏ, k ≥ 1 (scalars,
-    or one value per rate): ``last`` p(top) in any unit, the sums in the same."""
+    or one value per rate): ``last`` p(top) in any unit, the sums in the same. Each request
+    waiting past ``top`` counts ``queue_scale`` in Σ n·p (:func:`queue_variability`)."""
     past = last * r / (1.0 - r)
-    return past, last * (top * r / (1.0 - r) + r / (1.0 - r) ** 2)
+    return past, last * (top * r / (1.0 - r) + queue_scale * r / (1.0 - r) ** 2)
 
 
-def _with_tail(z, first, last, top: int, rate, tail_rps: float):
+def _with_tail(z, first, last, top: int, rate, tail_rps: float, queue_scale: float = 1.0):
     """Σ n·p/λ over Σ p with the queue past ``top`` added (:func:`_tail_sums`). ``z`` is Σ p,
     ``first`` Σ n·p/λ and ``last`` p(top)/λ over the states up to ``top`` (scalars, or one value
     per rate). A hair below the limit the sums come near a float's top and the queue's
@@ -201,7 +231,7 @@ def _with_tail(z, first, last, top: int, rate, tail_rps: float):
     r = rate / tail_rps
 
     def ratio(z, first, last):
-        past, beyond = _tail_sums(last, top, r)
+        past, beyond = _tail_sums(last, top, r, queue_scale)
         return (first + beyond) / (z + rate * past)
 
     if isinstance(last, float):  # one rate: Python floats overflow to inf without a warning
@@ -242,6 +272,9 @@ class Bursts(NamedTuple):
     # finding n gets, and the one finding n + 1 (none past N).
     sums: np.ndarray
     prompt_max: float  # the largest Δ: below 0.95/it no stall needs its cap
+    # Δ of the first state, the second (the prefill an arrival finding one other gets) and the
+    # last, as floats: what every evaluation's sums read.
+    prompt_ends: tuple[float, float, float]
 
     @property
     def alone_s(self) -> float:
@@ -270,7 +303,8 @@ def bursts_of(cum_log_rates: np.ndarray, prompt_s: np.ndarray, overlap: float) -
     sums[0], sums[1] = 1.0, _STATES[1 : top + 1]
     sums[2, :-1], sums[2, -1] = prompt[1:], prompt[-1]  # one arriving to n shares its prefill's step with n
     sums[3, :-1] = sums[2, 1:]
-    return Bursts(decode, prompt, float(overlap), _ACCUMULATE(rates).tolist(), sums, float(_MAX(prompt)))
+    ends = (prompt.item(0), sums.item(2, 0), prompt.item(-1))
+    return Bursts(decode, prompt, float(overlap), _ACCUMULATE(rates).tolist(), sums, float(_MAX(prompt)), ends)
 
 
 def length_overlap(mean: float, sd: float) -> float:
@@ -332,7 +366,9 @@ def _own_prefill_s(rate, prompt_s):
     return prompt_s / (1.0 - np.minimum(rate * prompt_s, MAX_PROMPT_SHARE))
 
 
-def burst_time_in_system(rate_rps: float, bursts: Bursts, tail_rps: float, fits: bool = True) -> float:
+def burst_time_in_system(
+    rate_rps: float, bursts: Bursts, tail_rps: float, fits: bool = True, queue_scale: float = 1.0
+) -> float:
     """Mean time in system of the chain with arrivals in bursts, for a rate > 0; +inf at or past
     ``tail_rps``.
 
@@ -352,13 +388,19 @@ def burst_time_in_system(rate_rps: float, bursts: Bursts, tail_rps: float, fits:
     if rate_rps < VANISHING_RPS:
         return bursts.alone_s
     ratio = burst_ratio_at(rate_rps, bursts)
-    product = _stretched(rate_rps, bursts)  # c(n)/(λ·(1 − r)), then r + c(n), then P(n)
-    product *= rate_rps * (1.0 - ratio)
+    # r + c(n), c = λ·(1 − r)·decode/(1 − λ·Δ): the decode over (1 − λ·Δ)/(λ·(1 − r)), one
+    # pass fewer over the states than stretching and scaling apart; then P(n).
+    per = 1.0 / (rate_rps * (1.0 - ratio))
+    product = bursts.prompt_s * (-rate_rps * per)
+    product += per
+    if rate_rps * bursts.prompt_max > MAX_PROMPT_SHARE:
+        np.maximum(product, (1.0 - MAX_PROMPT_SHARE) * per, out=product)
+    np.divide(bursts.decode_s, product, out=product)
     product += ratio
     if not fits:
-        return _burst_time_log(rate_rps, product, ratio, bursts, tail_rps)
+        return _burst_time_log(rate_rps, product, ratio, bursts, tail_rps, queue_scale)
     _PRODUCT(product, out=product)
-    return _burst_sums(rate_rps, product, 1.0, ratio, bursts, tail_rps)
+    return _burst_sums(rate_rps, product, 1.0, ratio, bursts, tail_rps, queue_scale)
 
 
 # Below this rate a request is alone: p(n) = P(n) − r·P(n − 1) would underflow to denormals (the
@@ -380,7 +422,7 @@ def burst_product_fits(bursts: Bursts, tail_rps: float) -> bool:
     return bound < _MAX_LOG_PRODUCT
 
 
-def _burst_sums(rate, product, empty, ratio, bursts: Bursts, tail_rps: float):
+def _burst_sums(rate, product, empty, ratio, bursts: Bursts, tail_rps: float, queue_scale: float = 1.0):
     """Time in system from the running product P(n) = Π_{k≤n}(r + c(k)), n = 1..N (one row per
     rate), P(0) = ``empty``: E[n]/λ and the own prefill at the Δ an arrival gets, the queue past
     N geometric at λ/``tail_rps``.
@@ -388,43 +430,48 @@ def _burst_sums(rate, product, empty, ratio, bursts: Bursts, tail_rps: float):
     p(n) = c(n)·P(n − 1) = P(n) − r·P(n − 1), so every sum over p is two over P, and P is all a
     rate computes: Σp = S − r·(P(0) + S − P(N)), Σn·p = M − r·(P(0) + M − N·P(N) + S − P(N)),
     S = ΣP(n), M = Σn·P(n)."""
+    first_prompt, second_prompt, last_prompt = bursts.prompt_ends
+    top = bursts.prompt_s.size
     if product.ndim == 1:  # one rate: Python floats (numpy scalars' arithmetic is slower)
         (s, m, d1, d2), last = (bursts.sums @ product).tolist(), product.item(-1)
-        before = product.item(-2) if product.size > 1 else empty
+        before = product.item(-2) if top > 1 else empty
     else:
         (s, m, d1, d2), last = bursts.sums @ product.T, product[:, -1]
-        before = product[:, -2] if product.shape[1] > 1 else empty
-    top = bursts.prompt_s.size
+        before = product[:, -2] if top > 1 else empty
     z = s - ratio * (empty + s - last)  # Σ p(n), n ≥ 1
     first = m - ratio * (empty + m - top * last + s - last)  # Σ n·p(n)
-    prefill = d1 - ratio * (bursts.sums.item(2, 0) * empty + d2)  # Σ Δ(n)·p(n), n ≥ 1
+    prefill = d1 - ratio * (second_prompt * empty + d2)  # Σ Δ(n)·p(n), n ≥ 1
     last = last - ratio * before  # p(N)
-    past, beyond = _tail_sums(last, top, rate / tail_rps)
+    past, beyond = _tail_sums(last, top, rate / tail_rps, queue_scale)
     total = empty + z + past
     first = first + beyond
-    delta = (empty * bursts.prompt_s.item(0) + prefill + past * bursts.prompt_s.item(-1)) / total
+    delta = (empty * first_prompt + prefill + past * last_prompt) / total
     return first / (rate * total) + _own_prefill_s(rate, delta)
 
 
-def _burst_time_log(rate: float, factors: np.ndarray, ratio: float, bursts: Bursts, tail_rps: float) -> float:
+def _burst_time_log(
+    rate: float, factors: np.ndarray, ratio: float, bursts: Bursts, tail_rps: float, queue_scale: float = 1.0
+) -> float:
     """:func:`burst_time_in_system`'s sums in log space, where the running product overflows."""
     log_p = np.cumsum(np.log(factors))
     shift = max(float(_MAX(log_p)), 0.0)
     log_p -= shift
-    return float(_burst_sums(rate, np.exp(log_p), math.exp(-shift), ratio, bursts, tail_rps))
+    return float(_burst_sums(rate, np.exp(log_p), math.exp(-shift), ratio, bursts, tail_rps, queue_scale))
 
 
-def burst_time_in_system_below(rates_rps: np.ndarray, bursts: Bursts, tail_rps: float, fits: bool = True) -> np.ndarray:
+def burst_time_in_system_below(
+    rates_rps: np.ndarray, bursts: Bursts, tail_rps: float, fits: bool = True, queue_scale: float = 1.0
+) -> np.ndarray:
     """:func:`burst_time_in_system` at rates all in (0, ``tail_rps``), one row per rate."""
     lam = np.asarray(rates_rps, dtype=float)
     if not fits:
-        return np.array([burst_time_in_system(x, bursts, tail_rps, False) for x in lam.tolist()])
+        return np.array([burst_time_in_system(x, bursts, tail_rps, False, queue_scale) for x in lam.tolist()])
     ratio = burst_ratio_at(lam, bursts)
     product = _stretched(lam[:, None], bursts)
     product *= (lam * (1.0 - ratio))[:, None]
     product += ratio[:, None]
     _PRODUCT(product, axis=1, out=product)
-    out = _burst_sums(lam, product, 1.0, ratio, bursts, tail_rps)
+    out = _burst_sums(lam, product, 1.0, ratio, bursts, tail_rps, queue_scale)
     alone = lam < VANISHING_RPS
     if alone.any():
         out[alone] = bursts.alone_s
@@ -468,6 +515,7 @@ def mean_time_in_window(
     duration_s: float,
     warmup_s: float = 0.0,
     bursts: Bursts | None = None,
+    queue_scale: float = 1.0,
 ) -> float:
     """Mean time in system of the requests that arrive in [warmup_s, duration_s) at a server
     that starts empty and gets no arrivals after ``duration_s``: what a load test of that length
@@ -485,7 +533,8 @@ def mean_time_in_window(
     the time n requests take to drain; the window's mean is the difference between
     x = ``duration_s`` and x = ``warmup_s`` over the λ·(duration − warmup) arrivals between
     (exact for FIFO; with the batch sharing its steps the warm-up's requests are slowed by later
-    ones, which this charges to neither).
+    ones, which this charges to neither). Each request waiting past the bound counts
+    ``queue_scale`` (:func:`queue_variability`), in the window as in the stationary mean.
     """
     if rate_rps <= 0.0 or not duration_s > warmup_s >= 0.0:
         raise ValueError("a window needs a rate > 0 and 0 <= warmup < duration")
@@ -496,7 +545,7 @@ def mean_time_in_window(
         log_pi = _STATES[: top + 1] * math.log(rate_rps) - cum_log_rates
 
         def stationary() -> float:
-            return mean_time_in_system(rate_rps, cum_log_rates, tail_rps)
+            return mean_time_in_system(rate_rps, cum_log_rates, tail_rps, queue_scale=queue_scale)
     else:
         ratio = float(burst_ratio_at(rate_rps, bursts))
         h = 1.0 / _stretched(rate_rps, bursts)
@@ -505,7 +554,7 @@ def mean_time_in_window(
         own = _own_prefill_s(rate_rps, bursts.arrival_prompt_s(np.exp(log_pi - log_pi.max())))
 
         def stationary() -> float:
-            return burst_time_in_system(rate_rps, bursts, tail_rps)
+            return burst_time_in_system(rate_rps, bursts, tail_rps, queue_scale=queue_scale)
 
     floor = float(log_pi.max()) - WINDOW_LOG_MASS
     tail = float(tail_rps) if bursts is not None else max(float(tail_rps), float(h[-1]))
@@ -530,6 +579,9 @@ def mean_time_in_window(
     if steps > MAX_WINDOW_STEPS:  # hours at hundreds of req/s: seconds of stepping for a test
         return stationary()  # that long is near stationary
     n = _STATES[: rates.size] if rates.size <= _STATES.size else np.arange(rates.size, dtype=float)
+    if queue_scale != 1.0 and rates.size > top + 1:  # each waiting past the bound counts f
+        n = n.copy()
+        n[top + 1 :] -= (1.0 - queue_scale) * (n[top + 1 :] - top)
     drain = np.concatenate(([0.0], np.cumsum(n[1:] / rates[1:])))  # W(n)
     dt = duration_s / steps
     warm_step = round(warmup_s / dt)

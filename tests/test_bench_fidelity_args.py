@@ -208,16 +208,24 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     from controller import calibration
     from controller.validation import validate
 
-    stored = {"one": ROOT / "bench/results/fidelity-h100", "two": ROOT / "bench/results/fidelity-h100-draft-lengths"}
+    stored = {
+        "one": ROOT / "bench/results/fidelity-h100",
+        "two": ROOT / "bench/results/fidelity-a100-coarse-long-prompt",
+    }
     one, two = stored["one"], stored["two"]
-    # γ = 6 at 14 req/s on three seeds: +12.6 %, beyond its runs' spread (README, Stop 57).
+    # Long prompts, γ = 2 at 2 req/s on five seeds (one saturated): −27.0 %, beyond its runs' spread (README, Stop 58).
+    at_two = "2,on,2,"
     files = {
         "one/load-chat.csv": _rows(one / "load-chat.csv", "12,off,0,", "13,off,0,", "13,on,2,"),
         "one/replicates/seed101/load-chat.csv": _rows(one / "replicates/seed101/load-chat.csv", "13,off,0,"),
         "one/refined/seed7/load-chat.csv": _rows(one / "refined/seed7/load-chat.csv", "10.5,off,0,", "11,off,0,"),
-        "two/load-code.csv": _rows(two / "load-code.csv", "2,on,3,", "15,on,3,", "14,on,6,"),
-        "two/replicates/seed101/load-code.csv": _rows(two / "replicates/seed101/load-code.csv", "15,on,3,", "14,on,6,"),
-        "two/replicates/seed102/load-code.csv": _rows(two / "replicates/seed102/load-code.csv", "14,on,6,"),
+        "two/load-long_prompt.csv": _rows(two / "load-long_prompt.csv", "1,on,2,", "1.75,off,0,", at_two),
+        **{
+            f"two/replicates/seed{s}/load-long_prompt.csv": _rows(
+                two / f"replicates/seed{s}/load-long_prompt.csv", at_two
+            )
+            for s in (101, 102, 103, 104)
+        },
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -245,7 +253,12 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
                 points[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt
                 expected[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt.error
     assert pooled["rates"] == pytest.approx(expected, rel=1e-12)
-    assert set(expected) >= {"one/chat/off@13", "one/chat/off@10.5", "two/code/on(γ=3)@2"}
+    assert set(expected) >= {
+        "one/chat/off@13",
+        "one/chat/off@10.5",
+        "two/long_prompt/on(γ=2)@1",
+        "two/long_prompt/on(γ=2)@2",
+    }
     errors = list(expected.values())
     assert pooled["all"]["rates"] == len(errors) == pooled["grid"]["rates"] + pooled["refined"]["rates"]
     assert pooled["all"]["mean_abs_error"] == pytest.approx(sum(map(abs, errors)) / len(errors), rel=1e-12)
@@ -258,7 +271,7 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     assert f"pooled 2 directories under {tmp_path}/" in run.stdout
     assert f"rates past 10%: {sum(abs(e) > 0.10 for e in errors)} (" in run.stdout
     # Each rate past 10 % says whether its runs' own spread explains it, as validate judges it.
-    assert any(p["beyond_noise"] for p in pooled["past_10"])  # code γ = 6 at 14 req/s, three runs
+    assert any(p["beyond_noise"] for p in pooled["past_10"])  # long prompts γ = 2 at 2 req/s, five runs
     for p in pooled["past_10"]:
         assert p["beyond_noise"] == points[p["rate"]].beyond_noise
 

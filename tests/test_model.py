@@ -308,15 +308,16 @@ def test_knee_segment_by_segment():
     assert bool(predict(m, lim_off * 1.001, 0.5, 1, W).off.overloaded)
 
 
-def chain_latency_s(rate, t_of_others, bound, limit, tail_states=20000):
-    """The birth–death chain summed by hand: π(n) ∝ Π λ/h(k), h(k) = k/T(k − 1), the limit past the bound."""
+def chain_latency_s(rate, t_of_others, bound, limit, tail_states=20000, queue_scale=1.0):
+    """The birth–death chain summed by hand: π(n) ∝ Π λ/h(k), h(k) = k/T(k − 1), the limit past
+    the bound, each request waiting past it counted ``queue_scale``."""
     weight, z, mean, best = 1.0, 1.0, 0.0, 0.0
     for n in range(1, bound + tail_states):
         h = limit if n > bound else max(best, n / t_of_others(n - 1))
         best = h
         weight *= rate / h
         z += weight
-        mean += n * weight
+        mean += (n - (1.0 - queue_scale) * max(n - bound, 0)) * weight
     return mean / z / rate
 
 
@@ -327,12 +328,41 @@ def test_max_num_seqs_bounds_the_batch_and_queueing_rises_before_it():
     p = predict_point(m, 0.5 * limit, 0.5, 1, W)
     fluid = c0 / (1 - 0.5 * limit * c1)
     assert p.latency_off_s > fluid  # states above the mean batch, and the queue past the bound
-    assert p.latency_off_s == pytest.approx(chain_latency_s(0.5 * limit, lambda b: c0 + c1 * b, 10, limit), rel=1e-9)
+    # W's lengths are all equal: the queue past the bound holds half the memoryless chain's.
+    want = chain_latency_s(0.5 * limit, lambda b: c0 + c1 * b, 10, limit, queue_scale=0.5)
+    assert p.latency_off_s == pytest.approx(want, rel=1e-9)
     near = predict_point(m, 0.99 * limit, 0.5, 1, W)
     assert near.latency_off_s > 5 * (c0 + c1 * 10)
     over = predict(m, limit, 0.5, 1, W)
     assert bool(over.off.overloaded) and math.isinf(float(over.off.latency_s))
     assert float(over.off.stability_limit_rps) == pytest.approx(limit)
+
+
+def test_the_queue_past_a_full_batch_scales_with_the_lengths_spread():
+    # A fixed 50-ms step: with max_num_seqs = 8 the batch is M/G/8, each request a server for
+    # its (G + 0.5) steps. Those waiting past the bound wait (1 + C_s²)/2 times the memoryless
+    # chain's (Allen–Cunneen), C_s the generated lengths' CV; the running batch's law is the chain's.
+    m = LatencyModel(target=StepCost(0.05, 0.0), max_num_seqs=8)
+    memoryless, _ = curves(m, 0.5, 1, Workload(0, 100, 100.0))
+    service = memoryless.alone_s
+    assert service == pytest.approx(0.05 * 100.5)
+    assert memoryless.queue_variability == 1.0
+    for sd, f in ((0.0, 0.5), (50.0, 0.625), (150.0, 1.625)):
+        curve, _ = curves(m, 0.5, 1, Workload(0, 100, sd))
+        assert curve.queue_variability == pytest.approx(f)
+        assert curve.stability_limit_rps == memoryless.stability_limit_rps
+        rates = [r * curve.stability_limit_rps for r in (0.3, 0.9, 0.99)]
+        want = [service + f * (memoryless.latency_s(x) - service) for x in rates]
+        assert [curve.latency_s(x) for x in rates] == pytest.approx(want, rel=1e-9)
+        assert curve.latencies_s(rates) == pytest.approx(want, rel=1e-9)
+        assert curve.latency_s(curve.stability_limit_rps) == math.inf
+    # Unmeasured lengths are taken as geometric: memoryless.
+    assert curves(m, 0.5, 1, Workload(0, 100))[0].queue_variability == 1.0
+    # Where the KV cache bounds the batch the count it holds moves with the lengths: not applied.
+    kv = LatencyModel(target=StepCost(0.05, 0.0), max_num_seqs=256, kv_cache_tokens_off=400)
+    bounded, _ = curves(kv, 0.5, 1, Workload(0, 100, 0.0))
+    assert bounded.limit_reason == "kv_cache"
+    assert bounded.queue_variability == 1.0
 
 
 def test_kv_cache_bounds_the_batch_with_less_room_for_sd():

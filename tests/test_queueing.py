@@ -19,8 +19,10 @@ from controller.queueing import (
     inverse_rates,
     mean_in_system,
     mean_time_in_system,
+    mean_time_in_system_below,
     mean_time_in_system_many,
     mean_time_in_window,
+    queue_variability,
     stationary_law,
 )
 
@@ -72,6 +74,37 @@ def test_c_servers_is_erlang_c(servers, rho):
     h = np.minimum(np.arange(1, servers + 1), servers) / service_s
     got = chain_time_in_system_s(h, rho * capacity, capacity)
     assert got == pytest.approx(erlang_c_time_in_system_s(servers, rho * capacity, service_s), rel=1e-9)
+
+
+@pytest.mark.parametrize("servers", [1, 8, 256])
+@pytest.mark.parametrize("rho", [0.5, 0.9, 0.99])
+def test_a_queue_variability_scales_the_wait_past_the_servers_as_allen_cunneen(servers, rho):
+    # M/G/c: W_q ≈ (C_a² + C_s²)/2 · W_q(M/M/c), the law of the c running unchanged. Every path
+    # a curve sums (one rate, many, a window long enough to be stationary) takes it the same.
+    service_s = 2.0
+    capacity = servers / service_s
+    c = cumulative_log_rates(np.arange(1, servers + 1) / service_s)
+    lam = rho * capacity
+    wait = erlang_c_time_in_system_s(servers, lam, service_s) - service_s
+    inverse = inverse_rates(c, capacity)
+    for f in (queue_variability(0.0), queue_variability(0.5), queue_variability(1.0), queue_variability(1.8)):
+        want = service_s + f * wait
+        assert mean_time_in_system(lam, c, capacity, queue_scale=f) == pytest.approx(want, rel=1e-9)
+        assert mean_time_in_system(lam, c, capacity, inverse, f) == pytest.approx(want, rel=1e-9)
+        below = mean_time_in_system_below(np.array([lam, 0.5 * lam]), c, capacity, inverse, f)
+        assert below[0] == pytest.approx(want, rel=1e-9)
+    if servers == 8 and rho <= 0.9:  # stepped, not taken as stationary: 10⁴ s is ~500 relaxations
+        for f in (0.5, 1.0):
+            window = mean_time_in_window(lam, c, capacity, 10_000.0, 1_000.0, queue_scale=f)
+            assert window == pytest.approx(service_s + f * wait, rel=1e-6)
+
+
+def test_queue_variability_is_the_mean_of_the_two_squared_cvs():
+    assert queue_variability(1.0) == 1.0  # exponential lengths: the chain's own tail
+    assert queue_variability(0.0) == 0.5  # equal lengths: half the wait
+    assert queue_variability(0.5) == 0.75  # gamma of shape 2
+    assert queue_variability(0.5, arrival_scv=2.0) == 1.25  # bursty arrivals wait longer
+    assert queue_variability(-0.1) == 0.5  # a negative variance (a bad input) counts as none
 
 
 def test_many_more_slots_than_requests_is_mm_infinity():
