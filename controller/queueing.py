@@ -359,6 +359,20 @@ def _stretched(rate, bursts: Bursts) -> np.ndarray:
     return np.divide(bursts.decode_s, stall, out=stall)
 
 
+def _burst_factors(rate, ratio, bursts: Bursts) -> np.ndarray:
+    """r + c(n) per state (a new array), c = λ·(1 − r)·decode/(1 − λ·Δ): the decode over
+    (1 − λ·Δ)/(λ·(1 − r)), one pass fewer over the states than stretching (:func:`_stretched`)
+    and scaling apart. ``rate`` and ``ratio`` floats, or columns (one row per rate)."""
+    per = 1.0 / (rate * (1.0 - ratio))
+    product = bursts.prompt_s * (-rate * per)
+    product += per
+    if not isinstance(rate, float) or rate * bursts.prompt_max > MAX_PROMPT_SHARE:
+        np.maximum(product, (1.0 - MAX_PROMPT_SHARE) * per, out=product)
+    np.divide(bursts.decode_s, product, out=product)
+    product += ratio
+    return product
+
+
 def _own_prefill_s(rate, prompt_s):
     """A request's own prefill as a delay: its Δ stretched by the stalls of those arriving during it."""
     if isinstance(prompt_s, float):
@@ -388,15 +402,7 @@ def burst_time_in_system(
     if rate_rps < VANISHING_RPS:
         return bursts.alone_s
     ratio = burst_ratio_at(rate_rps, bursts)
-    # r + c(n), c = λ·(1 − r)·decode/(1 − λ·Δ): the decode over (1 − λ·Δ)/(λ·(1 − r)), one
-    # pass fewer over the states than stretching and scaling apart; then P(n).
-    per = 1.0 / (rate_rps * (1.0 - ratio))
-    product = bursts.prompt_s * (-rate_rps * per)
-    product += per
-    if rate_rps * bursts.prompt_max > MAX_PROMPT_SHARE:
-        np.maximum(product, (1.0 - MAX_PROMPT_SHARE) * per, out=product)
-    np.divide(bursts.decode_s, product, out=product)
-    product += ratio
+    product = _burst_factors(rate_rps, ratio, bursts)  # r + c(n), then P(n)
     if not fits:
         return _burst_time_log(rate_rps, product, ratio, bursts, tail_rps, queue_scale)
     _PRODUCT(product, out=product)
@@ -467,9 +473,7 @@ def burst_time_in_system_below(
     if not fits:
         return np.array([burst_time_in_system(x, bursts, tail_rps, False, queue_scale) for x in lam.tolist()])
     ratio = burst_ratio_at(lam, bursts)
-    product = _stretched(lam[:, None], bursts)
-    product *= (lam * (1.0 - ratio))[:, None]
-    product += ratio[:, None]
+    product = _burst_factors(lam[:, None], ratio[:, None], bursts)
     _PRODUCT(product, axis=1, out=product)
     out = _burst_sums(lam, product, 1.0, ratio, bursts, tail_rps, queue_scale)
     alone = lam < VANISHING_RPS
