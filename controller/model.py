@@ -661,6 +661,9 @@ def _latency_at(segments, waits, ends: tuple[float, ...], batch: float) -> float
 # batch() skips the segments whose throughput stays below the rate by more than this (they hold
 # no fixed point; the margin covers the tolerance a root at a segment's end is accepted with).
 REACH_MARGIN = 1e-9
+# ModeCurve.latencies_s sums this many rates' chains at once: a block's arrays (rates × states)
+# stay in cache, where 20k rates at once made each pass a trip through memory.
+LATENCY_BLOCK = 512
 # What can set a mode's stability limit (ModeCurve.limit_reason): throughput B/T(B) peaks below
 # the batch bound; the bound itself (max_num_seqs, or the KV cache's sequences); a KV-full batch
 # recomputing preempted prompts (_kv_thrash_rps); prompts starved of the step's token budget.
@@ -801,8 +804,13 @@ class ModeCurve:
         return math.exp(-float(self.cum_log_rates[1]))
 
     def latencies_s(self, rates_rps: Sequence[float]) -> list[float]:
-        """:meth:`latency_s` at many rates, the chain summed for all of them in one pass."""
+        """:meth:`latency_s` at many rates, the chain summed for all of them in one pass (a
+        block of LATENCY_BLOCK rates at a time)."""
         rates = np.asarray(rates_rps, dtype=float)
+        if rates.size > LATENCY_BLOCK:
+            return [
+                t for i in range(0, rates.size, LATENCY_BLOCK) for t in self.latencies_s(rates[i : i + LATENCY_BLOCK])
+            ]
         limit = self.stability_limit_rps
         live = (rates > 0.0) & (rates < limit * (1.0 - 1e-12))
         at = np.where(live, rates, 0.5 * limit)
@@ -1870,17 +1878,30 @@ def predict(
     r, a, g, e = np.broadcast_arrays(
         rate, np.asarray(alpha, dtype=float), np.asarray(draft_length), np.asarray(en_in, dtype=float)
     )
-    out = np.empty((8, *r.shape))
-    for idx in np.ndindex(r.shape):
-        gamma = int(g[idx])
-        p = predict_point(
-            model, float(r[idx]), float(a[idx]), gamma, workload, None if math.isnan(e[idx]) else float(e[idx])
-        )
-        out[(slice(None), *idx)] = (
-            p.latency_off_s, p.batch_off, p.stability_limit_off_rps,
-            p.latency_on_s, p.batch_on, p.stability_limit_on_rps,
-            p.speedup, p.accepted_length,
+    out = np.empty((8, r.size))
+    # One group per (acceptance, draft length, accepted length): its curves once, its rates in
+    # one pass of each mode's chain (ModeCurve.latencies_s), as predict_points.
+    given = ~np.isnan(e.ravel())
+    keys = np.stack([a.ravel(), g.ravel().astype(np.int64), given, np.where(given, e.ravel(), 0.0)])
+    groups, which = np.unique(keys, axis=1, return_inverse=True)
+    for k, (alpha_k, gamma_k, has_en, en_k) in enumerate(groups.T.tolist()):
+        at = np.flatnonzero(which.ravel() == k)
+        gamma, accepted = int(gamma_k), en_k if has_en else None
+        off, on = curves(model, alpha_k, gamma, workload, accepted)
+        rates = r.ravel()[at]
+        t_off = off.latencies_s(rates)
+        t_on = t_off if on is off else on.latencies_s(rates)
+        mu_off, mu_on = off.stability_limit_rps, on.stability_limit_rps
+        lam = rates.tolist()
+        rows = (
+            t_off, [off.batch(x) for x in lam], mu_off,
+            t_on, [on.batch(x) for x in lam], mu_on,
+            [_speedup_from(x, y, mu_off, mu_on) for x, y in zip(t_off, t_on, strict=True)],
+            _clamped_en(alpha_k, gamma, accepted) if gamma > 0 else 1.0,
         )  # fmt: skip
+        for row, values in zip(out, rows, strict=True):
+            row[at] = values
+    out = out.reshape((8, *r.shape))
     off = ModePrediction(out[0], out[1], np.isinf(out[0]), out[2])
     on = ModePrediction(out[3], out[4], np.isinf(out[3]), out[5])
     return Prediction(off, on, out[6], out[7])
@@ -1957,12 +1978,57 @@ def break_even_rates(
         points = [(grid[hit - 1], values[hit - 1]), *inside, (grid[hit], values[hit])]
         k = next(i for i, (_, v) in enumerate(points) if v < th)
         (lo, v_lo), (hi, v_hi) = points[k - 1], points[k]
-        rate = _crossing(lambda lam, th=th: speedup(lam) - th, lo, hi, v_lo - th, v_hi - th)
+        near = slice(max(hit - 2, 1), min(hit + 2, BREAK_EVEN_GRID))  # not 0 nor the limit's edge
+        guess = _interpolated_root(grid[near], [v - th for v in values[near]], lo, hi)
+        rate = _crossing(lambda lam, th=th: speedup(lam) - th, lo, hi, v_lo - th, v_hi - th, guess)
         result[th] = BreakEven(th, rate, False)
     return result
 
 
-def _crossing(f: Callable[[float], float], lo: float, hi: float, f_lo: float, f_hi: float) -> float:
+def _interpolated_root(xs: Sequence[float], values: Sequence[float], lo: float, hi: float) -> float | None:
+    """The root in (lo, hi) of the polynomial through the points (x, value) (a cubic through
+    four), where it falls through the bracket: a first step for :func:`_crossing` from the
+    grid's rates around a crossing. Found by Newton's method on the polynomial from the secant
+    (floats, no evaluation of the curve); None where a value is not finite or Newton leaves the
+    bracket."""
+    if not all(map(math.isfinite, values)):
+        return None
+    n, c = len(xs), list(values)
+    for j in range(1, n):  # divided differences: p(x) = c0 + (x − x0)·(c1 + (x − x1)·(c2 + …))
+        for i in range(n - 1, j - 1, -1):
+            c[i] = (c[i] - c[i - 1]) / (xs[i] - xs[i - j])
+
+    def value_and_slope(x: float) -> tuple[float, float]:
+        p, dp = c[-1], 0.0
+        for i in range(n - 2, -1, -1):
+            dp = dp * (x - xs[i]) + p
+            p = p * (x - xs[i]) + c[i]
+        return p, dp
+
+    p_lo, p_hi = value_and_slope(lo)[0], value_and_slope(hi)[0]
+    if not p_lo >= 0.0 > p_hi:
+        return None
+    x = lo + p_lo / (p_lo - p_hi) * (hi - lo)
+    for _ in range(8):  # quadratic from the secant's ~1e-3: 1e-12 in three or four
+        p, dp = value_and_slope(x)
+        if not dp < 0.0:
+            return None
+        x -= p / dp
+        if not lo < x < hi:
+            return None
+        if abs(p / dp) <= 1e-12 * x:
+            break
+    return x
+
+
+def _crossing(
+    f: Callable[[float], float],
+    lo: float,
+    hi: float,
+    f_lo: float,
+    f_hi: float,
+    guess: float | None = None,
+) -> float:
     """Where ``f`` turns negative in [lo, hi] (``f_lo`` ≥ 0 > ``f_hi``), to BREAK_EVEN_REL_TOL.
 
     Chandrupatla's method: inverse quadratic interpolation through the bracket's ends and the
@@ -1970,11 +2036,16 @@ def _crossing(f: Callable[[float], float], lo: float, hi: float, f_lo: float, f_
     to stay inside), bisection where it is not. The speedup falls steeply into SD's own limit,
     where a secant from that end creeps; the parabola does not, and the bracket always holds
     the crossing. Every step lands at least half the tolerance inside the bracket, so a step
-    onto the crossing closes it with the next one instead of creeping toward it.
+    onto the crossing closes it with the next one instead of creeping toward it. The first step
+    is at ``guess`` where it is inside the bracket (the grid's cubic, :func:`_interpolated_root`),
+    else on the secant.
     """
     # a: the newest point, b: the bracket's other end, c: the end a replaced.
     a, fa, b, fb, c, fc = hi, f_hi, lo, f_lo, lo, f_lo
-    t = f_hi / (f_hi - f_lo) if math.isfinite(f_lo - f_hi) and f_lo != f_hi else 0.5  # the secant
+    if guess is not None and lo < guess < hi:  # a step placed by the grid around the bracket
+        t = (hi - guess) / (hi - lo)
+    else:
+        t = f_hi / (f_hi - f_lo) if math.isfinite(f_lo - f_hi) and f_lo != f_hi else 0.5  # the secant
     while (width := abs(b - a)) > (tol := BREAK_EVEN_REL_TOL * max(a, b, 1e-12)):
         edge = 0.5 * tol / width
         x = a + min(max(t, edge), 1.0 - edge) * (b - a)

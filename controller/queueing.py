@@ -275,6 +275,7 @@ class Bursts(NamedTuple):
     # Δ of the first state, the second (the prefill an arrival finding one other gets) and the
     # last, as floats: what every evaluation's sums read.
     prompt_ends: tuple[float, float, float]
+    level_array: np.ndarray  # ``levels`` for a column of rates (numpy converts a list each call)
 
     @property
     def alone_s(self) -> float:
@@ -304,7 +305,8 @@ def bursts_of(cum_log_rates: np.ndarray, prompt_s: np.ndarray, overlap: float) -
     sums[2, :-1], sums[2, -1] = prompt[1:], prompt[-1]  # one arriving to n shares its prefill's step with n
     sums[3, :-1] = sums[2, 1:]
     ends = (prompt.item(0), sums.item(2, 0), prompt.item(-1))
-    return Bursts(decode, prompt, float(overlap), _ACCUMULATE(rates).tolist(), sums, float(_MAX(prompt)), ends)
+    levels = _ACCUMULATE(rates)
+    return Bursts(decode, prompt, float(overlap), levels.tolist(), sums, float(_MAX(prompt)), ends, levels)
 
 
 def length_overlap(mean: float, sd: float) -> float:
@@ -345,7 +347,7 @@ def burst_ratio_at(rate, bursts: Bursts):
     if isinstance(rate, float):
         at = min(bisect.bisect_left(bursts.levels, rate), top)
         return burst_ratio(rate * bursts.prompt_s.item(at), bursts.overlap)
-    at = np.minimum(np.searchsorted(bursts.levels, rate), top)
+    at = np.minimum(bursts.level_array.searchsorted(rate), top)
     return burst_ratio(rate * bursts.prompt_s[at], bursts.overlap)
 
 
@@ -472,12 +474,14 @@ def burst_time_in_system_below(
     lam = np.asarray(rates_rps, dtype=float)
     if not fits:
         return np.array([burst_time_in_system(x, bursts, tail_rps, False, queue_scale) for x in lam.tolist()])
+    alone = lam < VANISHING_RPS
+    if any_alone := alone.any():  # summed at a rate that stays finite, then set
+        lam = np.maximum(lam, VANISHING_RPS)
     ratio = burst_ratio_at(lam, bursts)
     product = _burst_factors(lam[:, None], ratio[:, None], bursts)
     _PRODUCT(product, axis=1, out=product)
     out = _burst_sums(lam, product, 1.0, ratio, bursts, tail_rps, queue_scale)
-    alone = lam < VANISHING_RPS
-    if alone.any():
+    if any_alone:
         out[alone] = bursts.alone_s
     return out
 

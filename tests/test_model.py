@@ -1070,3 +1070,79 @@ def test_a_pass_that_costs_nothing_serves_any_rate_without_a_warning(recwarn):
     assert math.isinf(off.stability_limit_rps) and math.isinf(on.stability_limit_rps)
     assert 0.0 <= off.latency_s(1.0) < 1e-200
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_predicted_grid_is_each_of_its_points_built_once_per_group(monkeypatch):
+    """predict() over arrays of rates, acceptances, draft lengths (0 too) and accepted lengths
+    (NaN: from the acceptance) is predict_point at each element, each group of equal
+    (acceptance, draft length, accepted length) summed in one pass per mode, never point by point."""
+    from controller import model as M
+
+    m = simple(max_num_seqs=64)
+    rates = np.array([0.0, 0.5, 2.0, 4.0, 5.0, 9.0])[:, None]
+    alpha = np.array([0.5, 0.7, 0.7, 0.7])
+    gamma = np.array([1, 4, 0, 4])
+    accepted = np.array([np.nan, np.nan, np.nan, 2.5])
+    scalar = M.ModeCurve.latency_s
+    monkeypatch.setattr(M.ModeCurve, "latency_s", lambda self, lam: pytest.fail("evaluated one rate at a time"))
+    passes = []
+    many = M.ModeCurve.latencies_s
+    monkeypatch.setattr(M.ModeCurve, "latencies_s", lambda self, r: passes.append(len(r)) or many(self, r))
+    p = predict(m, rates, alpha, gamma, W, accepted)
+    monkeypatch.setattr(M.ModeCurve, "latency_s", scalar)
+    assert p.speedup.shape == (6, 4)
+    assert passes == [6] * 7  # four groups, two modes each but γ = 0's one curve
+    for i, r in enumerate(rates[:, 0]):
+        for j in range(4):
+            en = None if math.isnan(accepted[j]) else float(accepted[j])
+            one = predict_point(m, float(r), float(alpha[j]), int(gamma[j]), W, en)
+            got = (p.off.latency_s[i, j], p.on.latency_s[i, j], p.off.batch[i, j], p.on.batch[i, j], p.speedup[i, j])
+            want = (one.latency_off_s, one.latency_on_s, one.batch_off, one.batch_on, one.speedup)
+            assert got == pytest.approx(want, rel=1e-9), (r, j)
+            assert p.accepted_length[i, j] == one.accepted_length
+            assert p.on.stability_limit_rps[i, j] == one.stability_limit_on_rps
+
+
+def test_many_rates_are_summed_a_block_at_a_time_and_agree_with_one_at_a_time(monkeypatch):
+    from controller import model as M
+
+    curve = curves(simple(max_num_seqs=64), 0.7, 4, Workload(500, 100, 60.0, 200.0))[1]
+    rates = np.linspace(0.0, 1.2 * curve.stability_limit_rps, 23)
+    whole = curve.latencies_s(rates)
+    monkeypatch.setattr(M, "LATENCY_BLOCK", 5)
+    blocks = curve.latencies_s(rates)
+    assert blocks == pytest.approx(whole, rel=1e-12)
+    assert blocks == pytest.approx([curve.latency_s(float(r)) for r in rates], rel=1e-9)
+    assert math.isinf(blocks[-1]) and blocks[0] == curve.alone_s
+
+
+def test_the_grid_places_the_crossings_first_step():
+    """A cubic through the grid's rates around a crossing puts the first step within a fraction
+    of a per mille of it: the example's crossing of 1.2 takes three evaluations of each mode (the
+    secant from the bracket's ends took five)."""
+    from controller import calibration
+    from controller import model as M
+    from controller.shipped import example_calibration_path
+
+    x = [1.0, 2.0, 3.0, 4.0]
+    cubic = [(3.2 - t) * (1.0 + 0.1 * t * t) for t in x]  # its root: 3.2
+    assert M._interpolated_root(x, cubic, 3.0, 4.0) == pytest.approx(3.2, rel=1e-12)
+    assert M._interpolated_root(x, [*cubic[:3], math.inf], 3.0, 4.0) is None
+    assert M._interpolated_root(x, [-v for v in cubic], 3.0, 4.0) is None  # rises through the bracket
+
+    model = calibration.load(example_calibration_path()).latency_model()
+    w = Workload(1000.0, 280.0, 200.0, 500.0)
+    steps = []
+    real = M._crossing
+
+    def counted(f, *args):
+        return real(lambda lam: steps.append(lam) or f(lam), *args)
+
+    M.mode_curve.cache_clear()
+    M.curves.cache_clear()
+    import unittest.mock
+
+    with unittest.mock.patch.object(M, "_crossing", counted):
+        found = break_even_rates(model, 0.7, 2, w)
+    assert found[1.2].rate_rps == pytest.approx(12.0506, rel=1e-4)
+    assert len(steps) <= 3
