@@ -987,37 +987,44 @@ def _stuck_s(terms: _ModeTerms, workload: Workload, budget: float, bound: float,
     return wasted * max(chunk, 0.0)
 
 
-def _budget_limit(curve: ModeCurve, budget: float, prompt_tokens: float, chunked_s: np.ndarray | None = None) -> float:
-    """Highest rate at which prompts still fit the per-step token budget (bisection).
+def _budget_limit(
+    curve: ModeCurve,
+    budget: float,
+    prompt_tokens: float,
+    chunked_s: np.ndarray | None = None,
+    sharing: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> float:
+    """Highest rate at which prompts still fit the per-step token budget; inf where it is at or
+    past the curve's own limit.
 
-    Per step the batch needs k·B tokens and arriving prompts λ·τ·P more, τ the mean step with
-    prompts in it: τ = τ_d/(1 − λΔ), Δ with what the budget's chunks add (``chunked_s``, per
-    state of the chain: :func:`chunking_excess`). Both grow with λ, so the excess crosses zero
-    once.
+    Per step the D decoding requests need k·D tokens and the prompts λ·τ·P more, τ the mean step
+    with its prompts. D is Little's: the requests in their decode steps, D = λ·steps·τ (the fluid
+    batch B = λ·T(B) leaves out the chunks' excess: with 4k prompts on a 2048-token budget it
+    held a quarter fewer than the truth ran). Where both hold with the budget full, λ·τ = D/steps
+    gives J = D/steps = budget/(k·steps + P) prompts a step, and the step lasts
+    τ_d(D) + J·Δ(D), so λ = J/(τ_d + J·Δ). Δ is what a prompt adds to the step with what the
+    budget's chunks add (``chunked_s``, per state of the chain: :func:`chunking_excess`); past
+    one prompt a step's later ones cost the ``sharing`` gap less than its first
+    (:func:`_sharing_hinges`), Δ − gap·(1 − 1/J) each. Where D would pass the batch bound the
+    full batch leaves the room, J = (budget − k·bound)/P.
     """
-
-    def excess(lam: float) -> float:
-        b = curve.batch(lam)
-        tau_d, _s1, delta, _d1 = curve.lines[bisect.bisect_left(curve.ends, b)]
-        tau_d, delta = tau_d + _s1 * b, delta + _d1 * b
-        if chunked_s is not None:  # state index B: B others
-            delta += float(np.interp(b, _OTHERS[: chunked_s.size], chunked_s))
-        denom = 1.0 - lam * delta
-        if denom <= 0.0:
-            return math.inf
-        return curve.step_tokens * b + lam * prompt_tokens * tau_d / denom - budget
-
-    hi = curve.stability_limit_rps * (1.0 - 1e-9)
-    if excess(hi) <= 0.0:
-        return math.inf
-    lo = 0.0
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        if excess(mid) > 0.0:
-            hi = mid
-        else:
-            lo = mid
-    return lo
+    k, steps = curve.step_tokens, max(curve.steps, 0.0)
+    shared = budget / (k * steps + prompt_tokens)  # J, with D = J·steps
+    d = shared * steps
+    if d > curve.batch_bound:
+        d = curve.batch_bound
+        shared = (budget - k * d) / prompt_tokens
+    tau_d, s1, delta, d1 = curve.lines[bisect.bisect_left(curve.ends, d)]
+    tau_d, delta = tau_d + s1 * d, delta + d1 * d
+    if chunked_s is not None:  # state index B: B others
+        delta += float(np.interp(d, _OTHERS[: chunked_s.size], chunked_s))
+    if sharing is not None and shared > 1.0:
+        at, cum_w, cum_wat = sharing
+        i = int(at.searchsorted(d))
+        delta -= (d * float(cum_w[i]) - float(cum_wat[i])) * (1.0 - 1.0 / shared)
+    step = tau_d + shared * delta
+    limit = shared / step if step > 0.0 else math.inf
+    return limit if limit < curve.stability_limit_rps * (1.0 - 1e-9) else math.inf
 
 
 class _ChainTerms(NamedTuple):
@@ -1190,14 +1197,20 @@ def _finish_curve(
         1.0 if kv_bound else queue_variability(workload.service_scv),
     )
     if budget is not None and p > 0:
-        limit = _budget_limit(curve, float(budget), p, None if c.chunking is None else c.chunking[0])
+        limit = _budget_limit(curve, float(budget), p, None if c.chunking is None else c.chunking[0], c.sharing)
         if limit < curve.stability_limit_rps:
+            # Past it the prompts' chunks wait for room in the steps: no state of the chain
+            # completes faster than the budget lets prompts in (as past a throughput peak the
+            # extra ones queue), and the bursts ride the capped chain.
+            capped = cumulative_log_rates(np.minimum(np.exp(np.diff(chain)), limit), monotone=False)
             curve = replace(
                 curve,
                 stability_limit_rps=limit,
                 peak_batch=curve.batch(limit),
                 limit_reason="token_budget",
                 cache_fill_limit_rps=math.nan,
+                cum_log_rates=capped,
+                bursts=None if curve.bursts is None else bursts_of(capped, stall, curve.bursts.overlap),
             )
         elif limit < fill:  # prompts starve before the cache fills: the band ends there
             curve = replace(curve, cache_fill_limit_rps=limit)

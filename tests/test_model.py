@@ -817,19 +817,69 @@ def test_stability_limit_is_the_boundary(model, workload, alpha, gamma):
 
 
 def test_token_budget_starves_prefill():
-    # Per step the batch needs B + 1 tokens and arriving prompts λ·τ·P more (τ = τ_d/(1 − λΔ)):
-    # past the rate where that exceeds the budget, prefill cannot keep up.
+    # Per step the D decoding requests need D tokens and arriving prompts λ·τ·P more
+    # (τ = τ_d/(1 − λΔ)): past the rate where that exceeds the budget, prefill cannot keep up.
+    # D is Little's, the requests in their decode steps at that step: λ·steps·τ.
     m = simple(max_num_batched_tokens=100)
     w = Workload(prompt_tokens=50, gen_tokens=100, gen_tokens_std=0.0)
     off, _ = curves(m, 0.5, 1, w)
+    assert off.limit_reason == "token_budget"
     lam = off.stability_limit_rps
-    b = off.batch(lam * (1 - 1e-9))
-    used = off.step_tokens * b + lam * 50 * off.step(b) / (1 - lam * off.prompt(b))
+
+    def step(d):
+        return off.step(d) / (1 - lam * off.prompt(d))
+
+    d = off.batch(lam)
+    for _ in range(200):
+        d = lam * off.steps * step(d)
+    used = off.step_tokens * d + lam * 50 * step(d)
     assert used == pytest.approx(100, rel=1e-6)
+    assert d < 0.98 * off.batch(lam)  # the fluid batch also holds each request's prompt step
     unbounded, _ = curves(simple(), 0.5, 1, w)
     assert lam < unbounded.stability_limit_rps
     vec = predict(m, [lam * 0.999, lam * 1.001], 0.5, 1, w)
     assert list(vec.off.overloaded) == [False, True]
+
+
+def test_past_the_budgets_limit_the_chain_queues():
+    """Where the token budget sets the limit no state of the chain completes faster than it (the
+    prompts' chunks wait for room), so near the limit requests queue as at a throughput peak:
+    without the cap the chain's own rates ran past the limit and its latency stayed low there."""
+    m = simple(max_num_batched_tokens=60, max_num_seqs=64)
+    w = Workload(prompt_tokens=50, gen_tokens=100, gen_tokens_std=30.0)
+    off, _ = curves(m, 0.5, 1, w)
+    assert off.limit_reason == "token_budget"
+    lam = off.stability_limit_rps
+    from controller import model as M
+
+    ((chain, _, _),) = M._chain_rates([M._chain_terms(m, w, False, 1.0, 0.0)])
+    raw = np.exp(np.diff(chain))
+    assert raw.max() > 1.03 * lam  # the chain alone would outrun the budget
+    rates = np.exp(np.diff(off.cum_log_rates))
+    assert rates.max() <= lam * (1 + 1e-12)
+    np.testing.assert_allclose(rates, np.minimum(raw, lam), rtol=1e-12)
+    # a queue at the limit: the latency grows as 1/(1 − λ/μ) into it
+    near = [off.latency_s(f * lam) for f in (0.9, 0.99)]
+    assert near[1] > 2.5 * near[0]
+
+
+def test_a_full_steps_later_prompts_cost_the_sharing_gap_less():
+    """Short prompts on a budget: every step at the limit holds J = (budget − k·D)/P of them,
+    and past a knee each after the first costs less; priced all as the first (the limit of
+    stop 58) a 2048-token budget's limit sat 2-3 % under what the truth served (A100, chat)."""
+    knee = StepCost(0.010, 0.0001, (256.0,), (-0.00006,))
+    m = LatencyModel(target=knee, max_num_seqs=256, max_num_batched_tokens=512)
+    w = Workload(prompt_tokens=120, gen_tokens=100, gen_tokens_std=30.0)
+    off, _ = curves(m, 0.5, 1, w)
+    assert off.limit_reason == "token_budget"
+    flat = LatencyModel(target=StepCost(0.010, 0.0001), max_num_seqs=256, max_num_batched_tokens=512)
+    assert curves(flat, 0.5, 1, w)[0].limit_reason == "token_budget"
+    from controller import model as M
+
+    c = M._chain_terms(m, w, False, 1.0, 0.0)
+    assert c.sharing is not None
+    alone = M._budget_limit(off, 512.0, 120.0, None if c.chunking is None else c.chunking[0])
+    assert off.stability_limit_rps > 1.01 * alone
 
 
 def test_full_batch_admission_is_limited_by_the_budget():
