@@ -159,15 +159,17 @@ def test_single_replica_restart_near_saturation_costs_more_than_it_gains():
 
 
 def test_near_the_limit_a_state_counts_as_overloaded_when_pricing():
-    # A rate just below SD's limit and above 90% of plain decoding's: with 90% headroom both
-    # count as overloaded: the larger capacity (SD off) wins, whatever the cost.
+    # A rate just below SD's limit and above the headroom's fraction of plain decoding's (SD's
+    # limit within 2 % of it: long answers): both count as overloaded, so the larger capacity
+    # (SD off) wins, whatever the cost.
     from controller.acceptance import alpha_from_vllm_rate
     from controller.model import Workload, stability_limits
 
-    lim_off, lim_on = stability_limits(MODEL, float(alpha_from_vllm_rate(0.6, 4)), 4, Workload(512, 256))
-    rate = 0.5 * (max(0.9 * lim_off, 0.9 * lim_on) + lim_on)
-    assert 0.9 * lim_off < rate < lim_on < lim_off
-    obs = Observation(T, rate, acceptance_rate=0.6, mean_draft_tokens=4.0, mean_prompt_tokens=512, mean_gen_tokens=256)
+    lim_off, lim_on = stability_limits(MODEL, float(alpha_from_vllm_rate(0.7, 4)), 4, Workload(512, 512))
+    headroom = S.capacity_headroom
+    rate = 0.5 * (max(headroom * lim_off, headroom * lim_on) + lim_on)
+    assert headroom * lim_off < rate < lim_on < lim_off
+    obs = Observation(T, rate, acceptance_rate=0.7, mean_draft_tokens=4.0, mean_prompt_tokens=512, mean_gen_tokens=512)
     on = ControllerState(applied_enabled=True, applied_draft_length=4)
     a = assess(MODEL, S, on, obs, True, 4, T)
     assert a.projected_gain_request_s == float("inf")
