@@ -1014,14 +1014,11 @@ def _budget_limit(
     if d > curve.batch_bound:
         d = curve.batch_bound
         shared = (budget - k * d) / prompt_tokens
-    tau_d, s1, delta, d1 = curve.lines[bisect.bisect_left(curve.ends, d)]
-    tau_d, delta = tau_d + s1 * d, delta + d1 * d
+    tau_d, delta = curve.step(d), curve.prompt(d)
     if chunked_s is not None:  # state index B: B others
         delta += float(np.interp(d, _OTHERS[: chunked_s.size], chunked_s))
     if sharing is not None and shared > 1.0:
-        at, cum_w, cum_wat = sharing
-        i = int(at.searchsorted(d))
-        delta -= (d * float(cum_w[i]) - float(cum_wat[i])) * (1.0 - 1.0 / shared)
+        delta -= float(_sharing_gap(sharing, d)) * (1.0 - 1.0 / shared)
     step = tau_d + shared * delta
     limit = shared / step if step > 0.0 else math.inf
     return limit if limit < curve.stability_limit_rps * (1.0 - 1e-9) else math.inf
@@ -1420,6 +1417,14 @@ def _erfc(z: np.ndarray) -> np.ndarray:
     return np.where(z >= 0.0, y, 2.0 - y)
 
 
+def _sharing_gap(sharing: tuple[np.ndarray, np.ndarray, np.ndarray], batch):
+    """gap(B) = B·Σw − Σw·at over :func:`_sharing_hinges`' hinges at or below B (a float or an
+    array of B)."""
+    at, cum_w, cum_wat = sharing
+    i = at.searchsorted(batch)
+    return batch * cum_w[i] - cum_wat[i]
+
+
 def _sharing_hinges(
     terms: _ModeTerms, nodes: tuple[tuple[float, float], ...], bound: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -1648,9 +1653,7 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float,
             gap = np.zeros((rows, top))
             for row, c in enumerate(curves):
                 if c.sharing is not None:
-                    at, cum_w, cum_wat = c.sharing
-                    i = at.searchsorted(others)
-                    gap[row] = others * cum_w[i] - cum_wat[i]
+                    gap[row] = _sharing_gap(c.sharing, others)
             # The step with its prompts; past a full step of prompts the budget limit holds.
             mu = lam * tau / np.maximum(1.0 - lam * delta, 0.05)
             saved = gap * (1.0 - prompt_step_share(lam * tau, lam * delta) / mu)  # gap·f(μ)
