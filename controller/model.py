@@ -1011,9 +1011,9 @@ def _budget_limit(
     k, steps = curve.step_tokens, max(curve.steps, 0.0)
     shared = budget / (k * steps + prompt_tokens)  # J, with D = J·steps
     d = shared * steps
-    if d > curve.batch_bound:
+    if d > curve.batch_bound:  # the room at the bound is at least J's (not less by a rounding)
         d = curve.batch_bound
-        shared = (budget - k * d) / prompt_tokens
+        shared = max(shared, (budget - k * d) / prompt_tokens)
     tau_d, delta = curve.step(d), curve.prompt(d)
     if chunked_s is not None:  # state index B: B others
         delta += float(np.interp(d, _OTHERS[: chunked_s.size], chunked_s))

@@ -841,6 +841,16 @@ def test_token_budget_starves_prefill():
     assert list(vec.off.overloaded) == [False, True]
 
 
+def test_a_budget_the_full_batch_fills_to_a_rounding_keeps_a_positive_limit():
+    # Prompts of next to no tokens: the decoders at the limit come to the batch bound and fill
+    # the budget but for a rounding; the room there is never taken as none (a zero limit, and a
+    # chain capped at zero, which no rate can be).
+    m = LatencyModel(target=StepCost(0.03125, 0.00390625), draft=StepCost(0.03125, 0.00390625))
+    m = replace(m, max_num_seqs=209, max_num_batched_tokens=209)
+    off, on = curves(m, 0.0, 1, Workload(prompt_tokens=6.188134590586491e-225, gen_tokens=358.75))
+    assert off.stability_limit_rps > 0.0 and on.stability_limit_rps > 0.0
+
+
 def test_past_the_budgets_limit_the_chain_queues():
     """Where the token budget sets the limit no state of the chain completes faster than it (the
     prompts' chunks wait for room), so near the limit requests queue as at a throughput peak:
