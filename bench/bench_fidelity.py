@@ -69,7 +69,7 @@ from controller.commands.validate import to_dict
 from controller.errors import InputError
 from controller.sim import fidelity, gpu
 from controller.sim.truth_workloads import MIXES
-from controller.validation import BREAK_EVEN_STEP, ValidationReport, validate
+from controller.validation import BREAK_EVEN_STEP, INTERVAL_COVERAGE, ValidationReport, validate
 
 H200_RATES = (1, 2, 3, 4, 5, 6, 8, 12, 14, 16, 17, 18, 19, 20, 21, 22, 24)
 L40S_RATES = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 3, 4, 4.5, 5, 5.5, 6)
@@ -573,9 +573,11 @@ def _pool(root: Path, log: Callable[[str], None]) -> dict:
     grid: dict[str, bool] = {}  # a rate of the load tests' own grids (else one --refine added)
     past, break_evens, limits, capacities = [], [], [], []
     per_dir, unflagged, overloads = {}, 0, 0
+    inside = checked = 0  # runs inside the predicted interval, of those checked
     for d in dirs:
         errors = []
         for workload, rep in _revalidate(d).items():
+            inside, checked = inside + rep.interval_coverage[0], checked + rep.interval_coverage[1]
             own = {
                 (r.draft_length, round(r.rate, 9))
                 for f in (d / f"load-{workload}.csv", *d.glob(f"replicates/seed*/load-{workload}.csv"))
@@ -634,6 +636,7 @@ def _pool(root: Path, log: Callable[[str], None]) -> dict:
         "past_10": worst_first(past),
         "saturated_not_flagged": unflagged,
         "steady_called_overloaded": overloads,
+        "interval_coverage": {"inside": inside, "runs": checked, "nominal": INTERVAL_COVERAGE},
         "limits": worst_first(limits),
         "capacities": worst_first(capacities),
         "break_evens": worst_first(break_evens),
@@ -689,6 +692,12 @@ def _print_pool(pooled: dict, root: Path, seconds: float) -> None:
         print(f"  {p['rate']}: {p['error']:+.1%}{se}{noise}{' (refined)' if p['refined'] else ''}")
     print(f"saturated rates not flagged overloaded: {pooled['saturated_not_flagged']}")
     print(f"steady rates called overloaded: {pooled['steady_called_overloaded']}")
+    cover = pooled["interval_coverage"]
+    if cover["runs"]:
+        print(
+            f"runs inside the predicted interval: {cover['inside']} of {cover['runs']}"
+            f" ({cover['inside'] / cover['runs'] * 100:.1f} %; drawn for {cover['nominal'] * 100:.0f} %)"
+        )
     limits, capacities = pooled["limits"], pooled["capacities"]
     if limits:
         outside = sum(x["error"] != 0.0 for x in limits)

@@ -39,6 +39,10 @@ from controller.model import (
     predict_point,
 )
 
+# The share of runs a prediction interval should hold if the calibration's residuals are the
+# model's error: two-sided at INTERVAL_Z (≈ 90 %). validate reports the share that did.
+INTERVAL_COVERAGE = 2.0 * statistics.NormalDist().cdf(INTERVAL_Z) - 1.0
+
 
 @dataclass(frozen=True)
 class RowCheck:
@@ -68,6 +72,14 @@ class RowCheck:
     @property
     def measured_saturated(self) -> bool:
         return bool(self.row.saturated)
+
+    @property
+    def inside_interval(self) -> bool | None:
+        """The measured mean lies in the predicted interval (the cost scales of the calibration's
+        residuals, :data:`INTERVAL_COVERAGE` nominal); None where either side is overloaded."""
+        if self.measured_saturated or self.predicted_overloaded:
+            return None
+        return self.predicted_lo_s <= self.row.mean_e2e_s <= self.predicted_hi_s  # hi is +inf past the limit
 
 
 # Student's t, two-sided 95 %, by degrees of freedom 1..30 (then 1.96): the standard error of a
@@ -194,6 +206,10 @@ class ModeSummary:
     limit_served_rps: float | None = None
     capacity_error: float | None = None
     points: int = 0  # rates measured (runs at one rate pooled)
+    # Runs (not pooled) neither saturated nor called overloaded, and those whose measured mean lay
+    # inside the predicted interval (RowCheck.inside_interval).
+    interval_runs: int = 0
+    interval_inside: int = 0
 
 
 @dataclass(frozen=True)
@@ -254,6 +270,14 @@ class ValidationReport:
     @property
     def saturated_all_flagged(self) -> bool:
         return all(p.predicted_overloaded for p in self.points if p.measured_saturated)
+
+    @property
+    def interval_coverage(self) -> tuple[int, int]:
+        """(runs inside the predicted interval, runs checked): against INTERVAL_COVERAGE, whether
+        the calibration's residuals say how far off the model is (many more inside: the
+        intervals are wider than its errors; fewer: they promise more than it keeps)."""
+        checked = [c.inside_interval for c in self.rows if c.inside_interval is not None]
+        return sum(checked), len(checked)
 
 
 def _alpha(row: LoadRow) -> float:
@@ -350,6 +374,8 @@ def _summaries(model: LatencyModel, points: Sequence[PointCheck]) -> list[ModeSu
                 limit_served_rps=served,
                 capacity_error=None if not served else _limit_error(limit, (served, served), fill),
                 points=len(group),
+                interval_runs=sum(c.inside_interval is not None for c in runs),
+                interval_inside=sum(c.inside_interval is True for c in runs),
             )
         )
     return out

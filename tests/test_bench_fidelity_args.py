@@ -240,7 +240,7 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written in ROOT
     pooled = json.loads(out.read_text())
     # The same points validate finds in each directory, its load tests and replicates and refined runs pooled.
-    expected, points = {}, {}
+    expected, points, covered = {}, {}, [0, 0]
     for d, files_of in (
         ("one", [k for k in files if k.startswith("one/")]),
         ("two", [k for k in files if k.startswith("two/")]),
@@ -248,7 +248,9 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
         model = calibration.load(stored[d] / "calibration.json").latency_model()
         rows = [r for f in files_of for r in calibration.read_load_csv(tmp_path / f)[0]]
         workload = files_of[0].split("load-")[1].removesuffix(".csv")
-        for pt in validate(model, rows).points:
+        report = validate(model, rows)
+        covered = [a + b for a, b in zip(covered, report.interval_coverage, strict=True)]
+        for pt in report.points:
             if pt.error is not None:
                 points[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt
                 expected[f"{d}/{workload}/{pt.mode}@{pt.rate:g}"] = pt.error
@@ -274,6 +276,10 @@ def test_pool_pools_every_directory_and_writes_nothing(tmp_path):
     assert any(p["beyond_noise"] for p in pooled["past_10"])  # long prompts γ = 2 at 2 req/s, five runs
     for p in pooled["past_10"]:
         assert p["beyond_noise"] == points[p["rate"]].beyond_noise
+    # The runs inside their predicted intervals, summed over the directories as validate counts them.
+    cover = pooled["interval_coverage"]
+    assert [cover["inside"], cover["runs"]] == covered and covered[1] > 0
+    assert f"runs inside the predicted interval: {covered[0]} of {covered[1]}" in run.stdout
 
 
 @pytest.mark.parametrize(

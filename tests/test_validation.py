@@ -31,7 +31,7 @@ from controller.model import (
     predict_point,
 )
 from controller.synthetic import bench_rows
-from controller.validation import RowCheck, refine_rates, validate
+from controller.validation import INTERVAL_COVERAGE, RowCheck, refine_rates, validate
 
 MODEL = LatencyModel(target=StepCost(0.010, 0.001), draft=StepCost(0.002, 0.0001), max_num_seqs=64)
 GAMMA = 4
@@ -128,6 +128,30 @@ def test_interval_brackets_the_prediction_when_calibration_has_residuals():
     exact = validate(MODEL, [row(2.0, True, 1.0)]).rows[0]
     assert exact.predicted_lo_s == pytest.approx(exact.predicted_s, rel=1e-12)
     assert exact.predicted_hi_s == pytest.approx(exact.predicted_s, rel=1e-12)
+
+
+def test_a_run_counts_inside_the_interval_between_its_ends_and_the_report_counts_them():
+    noisy = LatencyModel(
+        target=MODEL.target, draft=MODEL.draft, max_num_seqs=64, relative_sd_off=0.05, relative_sd_on=0.05
+    )
+    (probe,) = validate(noisy, [row(2.0, True, 1.0)]).rows
+    lo, hi = probe.predicted_lo_s, probe.predicted_hi_s
+    rows = [
+        row(2.0, True, probe.predicted_s),  # the prediction itself
+        row(2.0, True, lo),  # the interval's ends belong to it
+        row(2.0, True, hi),
+        row(2.0, True, lo * 0.99),  # just outside, either side
+        row(2.0, True, hi * 1.01),
+        row(9.0, True, 120.0, saturated=True),  # measured saturated: not checked
+        row(2.0 * off_limit(), False, 1.0),  # called overloaded: not checked
+    ]
+    rep = validate(noisy, rows)
+    assert [c.inside_interval for c in rep.rows] == [True, True, True, False, False, None, None]
+    assert rep.interval_coverage == (3, 5)
+    off, on = rep.modes
+    assert (on.interval_inside, on.interval_runs) == (3, 5)
+    assert (off.interval_inside, off.interval_runs) == (0, 0)
+    assert abs(INTERVAL_COVERAGE - 0.90) < 5e-4  # two-sided at INTERVAL_Z = 1.645
 
 
 def test_saturated_run_has_no_error_and_is_flagged_only_if_predicted_overloaded():
@@ -576,6 +600,10 @@ def test_cli_json_report(monkeypatch, capsys, calibration_file, load_csv):
     assert sat["measured_saturated"] is True and sat["predicted_overloaded"] is True
     assert sat["predicted_s"] is None and sat["error"] is None  # +inf is not JSON
     assert sat["predicted_interval_s"] == [None, None]
+    assert sat["inside_interval"] is None
+    inside = [lo <= r["measured_s"] <= hi for r in rows[:8] for lo, hi in [r["predicted_interval_s"]]]
+    assert [r["inside_interval"] for r in rows[:8]] == inside
+    assert report["interval_coverage"] == {"inside": sum(inside), "runs": 8, "nominal": INTERVAL_COVERAGE}
     off, on = report["modes"]
     assert (off["mode"], off["runs"], off["saturated_runs"], off["saturated_flagged"]) == ("off", 5, 1, 1)
     assert off["limit_measured_rps"] == [4.0, 9.0]
@@ -584,6 +612,8 @@ def test_cli_json_report(monkeypatch, capsys, calibration_file, load_csv):
     assert off["limit_predicted_rps"] == pytest.approx(limit_off.stability_limit_rps, rel=1e-12)
     assert off["limit_reason"] == limit_off.limit_reason in LIMIT_REASONS
     assert (on["mode"], on["runs"], on["mean_abs_error"]) == ("on(γ=4)", 4, pytest.approx(0.05, rel=1e-9))
+    assert (off["interval_inside"], off["interval_runs"]) == (sum(inside[:4]), 4)
+    assert (on["interval_inside"], on["interval_runs"]) == (sum(inside[4:]), 4)
     assert on["limit_measured_rps"] == [4.0, None]
     (be,) = report["break_even"]
     assert be["draft_length"] == GAMMA
@@ -611,6 +641,11 @@ def test_cli_table_output(monkeypatch, capsys, calibration_file, load_csv):
     assert "+5.0 %" in out
     assert "saturated (flagged)" in out
     assert "every saturated run flagged: yes" in out
+    report = validate(cal_mod.load(calibration_file).latency_model(), cal_mod.read_load_csv(load_csv)[0])
+    inside, checked = report.interval_coverage
+    assert checked == 8
+    assert f"measured inside the predicted interval: {inside} of 8 runs" in out
+    assert "drawn for 90 %" in out
     assert "2–3" in out  # the measured rates the break-even lies between
     assert "2.2,2.4,2.6,2.8" in out  # and the rates that would pin it, as a --rates list
 

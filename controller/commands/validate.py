@@ -18,7 +18,7 @@ from controller import calibration as cal_mod
 from controller.commands._common import exits_on_input_error, finite_or_none
 from controller.errors import EXIT_OK
 from controller.shipped import calibration_path
-from controller.validation import ValidationReport, validate
+from controller.validation import INTERVAL_COVERAGE, ValidationReport, validate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,13 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
         "mean_abs_error": report.mean_abs_error,
         "worst_abs_error": report.worst_abs_error,
         "saturated_all_flagged": report.saturated_all_flagged,
+        # Runs whose measured mean lay inside the predicted interval, of those checked (neither
+        # side overloaded), and the share the interval is drawn for.
+        "interval_coverage": {
+            "inside": report.interval_coverage[0],
+            "runs": report.interval_coverage[1],
+            "nominal": INTERVAL_COVERAGE,
+        },
         "rows": [
             {
                 **({} if sources is None else {"file": sources[i]}),
@@ -56,6 +63,7 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
                 "stationary_s": finite_or_none(c.stationary_s),
                 "duration_s": c.row.duration_s,
                 "predicted_interval_s": [finite_or_none(c.predicted_lo_s), finite_or_none(c.predicted_hi_s)],
+                "inside_interval": c.inside_interval,
                 "predicted_overloaded": c.predicted_overloaded,
                 "metastable": c.metastable,
                 "error": c.error,
@@ -104,6 +112,8 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
                 "limit_served_rps": m.limit_served_rps,
                 "capacity_error": m.capacity_error,
                 "metastable_runs": m.metastable_runs,
+                "interval_runs": m.interval_runs,
+                "interval_inside": m.interval_inside,
             }
             for m in report.modes
         ],
@@ -177,6 +187,7 @@ def print_report(report: ValidationReport, console: Console, sources: Sequence[s
         "limit error",
         "served when saturated",
         "capacity error",
+        "inside interval",
         "limit set by",
     ):
         m.add_column(col, justify="right", no_wrap=col == "limit set by")
@@ -190,6 +201,7 @@ def print_report(report: ValidationReport, console: Console, sources: Sequence[s
             measured,
             _pct(s.limit_error),
             "-" if s.limit_served_rps is None else f"{s.limit_served_rps:.2f}", _pct(s.capacity_error),
+            f"{s.interval_inside}/{s.interval_runs}" if s.interval_runs else "-",
             s.limit_reason,
         )  # fmt: skip
     console.print(m)
@@ -213,6 +225,12 @@ def print_report(report: ValidationReport, console: Console, sources: Sequence[s
         f"{'-' if report.worst_abs_error is None else f'{report.worst_abs_error * 100:.1f} %'}; "
         f"every saturated {'rate' if report.replicated else 'run'} flagged: {'yes' if report.saturated_all_flagged else 'NO'}"
     )
+    inside, checked = report.interval_coverage
+    if checked:
+        console.print(
+            f"measured inside the predicted interval: {inside} of {checked} runs ({inside / checked * 100:.0f} %; "
+            f"drawn for {INTERVAL_COVERAGE * 100:.0f} %)"
+        )
 
 
 def print_points(report: ValidationReport, console: Console) -> None:
