@@ -276,8 +276,13 @@ class ValidationReport:
         """(runs inside the predicted interval, runs checked): against INTERVAL_COVERAGE, whether
         the calibration's residuals say how far off the model is (many more inside: the
         intervals are wider than its errors; fewer: they promise more than it keeps)."""
-        checked = [c.inside_interval for c in self.rows if c.inside_interval is not None]
-        return sum(checked), len(checked)
+        return _coverage(self.rows)
+
+
+def _coverage(checks: Sequence[RowCheck]) -> tuple[int, int]:
+    """(runs inside their predicted interval, runs checked) of some runs (RowCheck.inside_interval)."""
+    checked = [c.inside_interval for c in checks if c.inside_interval is not None]
+    return sum(checked), len(checked)
 
 
 def _alpha(row: LoadRow) -> float:
@@ -352,6 +357,7 @@ def _summaries(model: LatencyModel, points: Sequence[PointCheck]) -> list[ModeSu
         saturated = [p for p in group if p.measured_saturated]
         band_lo, band_hi = curve.metastable_band_rps
         fill = band_hi if band_hi > band_lo else None
+        inside, checked = _coverage(runs)
         first = min(saturated, key=lambda p: p.rate, default=None)
         served = None if first is None else first.served_rps
         out.append(
@@ -374,8 +380,8 @@ def _summaries(model: LatencyModel, points: Sequence[PointCheck]) -> list[ModeSu
                 limit_served_rps=served,
                 capacity_error=None if not served else _limit_error(limit, (served, served), fill),
                 points=len(group),
-                interval_runs=sum(c.inside_interval is not None for c in runs),
-                interval_inside=sum(c.inside_interval is True for c in runs),
+                interval_runs=checked,
+                interval_inside=inside,
             )
         )
     return out

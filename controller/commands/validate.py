@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> dict[str, Any]:
     """JSON-safe report (+inf predictions become null with overloaded = true); ``sources``: each
     run's file, in the order of ``report.rows`` (when several were read)."""
+    inside, checked = report.interval_coverage
     return {
         "mean_abs_error": report.mean_abs_error,
         "worst_abs_error": report.worst_abs_error,
@@ -45,8 +46,8 @@ def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> d
         # Runs whose measured mean lay inside the predicted interval, of those checked (neither
         # side overloaded), and the share the interval is drawn for.
         "interval_coverage": {
-            "inside": report.interval_coverage[0],
-            "runs": report.interval_coverage[1],
+            "inside": inside,
+            "runs": checked,
             "nominal": INTERVAL_COVERAGE,
         },
         "rows": [
