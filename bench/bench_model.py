@@ -2,6 +2,7 @@
 
 Targets (issue: math core): <= 20 µs per single speedup evaluation, <= 1 ms per full decision
 (best draft length over 1..16 plus the three break-even rates). Prints figures; asserts nothing.
+A load past every capacity (the draft-length search ranks capacities there) is timed apart.
 The draft-length search stops ``DRAFT_SEARCH_PATIENCE`` candidates past the best
 (``best_draft_length``'s ``patience``); the exhaustive search over all 16 is timed next to it,
 with how often the two choose differently over a grid of loads, acceptances and workloads and
@@ -23,6 +24,7 @@ N calls of one figure; the difference between N and 0 under callgrind, divided b
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import time
 
@@ -30,6 +32,7 @@ import numpy as np
 
 from controller import calibration
 from controller.model import (
+    CAPACITY_SEARCH_PATIENCE,
     DRAFT_SEARCH_PATIENCE,
     Workload,
     best_draft_length,
@@ -64,14 +67,18 @@ def loop(what: str, n: int) -> None:
         else:
             dw = fw if what.startswith("fresh-decision") else w
             patience = None if what.endswith("exhaustive") else DRAFT_SEARCH_PATIENCE
-            choice = best_draft_length(model, 6.0, 0.7, dw, patience=patience)
+            rate = 30.0 if what.endswith("overloaded") else 6.0
+            choice = best_draft_length(model, rate, 0.7, dw, patience=patience)
             break_even_rates(model, 0.7, choice.draft_length, dw)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--loop", nargs=2, metavar=("WHAT", "N"), help="fresh|repeated|decision|fresh-decision[-exhaustive], calls"
+        "--loop",
+        nargs=2,
+        metavar=("WHAT", "N"),
+        help="fresh|repeated|decision|fresh-decision[-exhaustive|-overloaded], calls",
     )
     args = parser.parse_args()
     if args.loop:
@@ -119,27 +126,38 @@ def main() -> None:
 
     t = per_call(fresh_exhaustive, 100)
     print(f"full decision, fresh workload, all 16 γ tried:    {t * 1e6:8.2f} µs")
+
+    def fresh_overloaded() -> None:  # 30 req/s: past SD's capacity at every γ and past plain decoding's
+        fw = fresh_workload()
+        choice = best_draft_length(model, 30.0, 0.7, fw)
+        break_even_rates(model, 0.7, choice.draft_length, fw)
+
+    t = per_call(fresh_overloaded, 100)
+    print(f"full decision, fresh workload, past every limit:  {t * 1e6:8.2f} µs")
     search_agreement(model)
 
 
 def search_agreement(model) -> None:
     """How often stopping past the best chooses another γ than trying all, and the SD latency
-    that costs, over loads (fractions of the plain limit), acceptances and workloads."""
-    differ = total = 0
+    that costs, over loads (fractions of the plain limit, past it too), acceptances and workloads."""
+    differ = total = overloaded = 0
     worst = 1.0
     for alpha in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
         for w in (Workload(200, 100, 80.0, 140.0), Workload(1000, 280, 280.0, 600.0), Workload(4000, 500)):
             limit = stability_limits(model, alpha, 1, w)[0]
-            for f in (0.0, 0.1, 0.3, 0.5, 0.7, 0.85, 0.95):
+            for f in (0.0, 0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 1.3, 2.0):
                 quick = best_draft_length(model, f * limit, alpha, w)
                 full = best_draft_length(model, f * limit, alpha, w, patience=None)
                 total += 1
+                overloaded += math.isinf(full.latency_on_s)
                 if quick.draft_length != full.draft_length:
                     differ += 1
                     worst = max(worst, quick.latency_on_s / full.latency_on_s)
     print(
-        f"draft-length search stopping {DRAFT_SEARCH_PATIENCE} past the best: {differ} of {total} choices differ "
-        f"from trying all; SD latency at most {(worst - 1) * 100:.2f} % above the exhaustive choice's"
+        f"draft-length search stopping {DRAFT_SEARCH_PATIENCE} past the best ({CAPACITY_SEARCH_PATIENCE} past the best"
+        f" capacity while every γ is overloaded): {differ} of {total} choices differ from trying all"
+        f" ({overloaded} overloaded at every γ); SD latency at most {(worst - 1) * 100:.2f} % above the exhaustive"
+        " choice's"
     )
 
 

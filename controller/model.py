@@ -70,6 +70,12 @@ DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
 # one past chose as trying all 16 in 1,944 of 1,944 cases (the example and the 17 stored truth
 # calibrations × acceptances × workloads × loads), and saves a curve build a fresh decision.
 DRAFT_SEARCH_PATIENCE = 1
+# While SD is overloaded at every γ tried, the search stops this many past the highest capacity:
+# a capacity bound by the KV cache ripples by 1–2 % from one γ to the next (the L40S calibrations).
+# Over 3,780 loads at or past capacity (the example and the 20 stored calibrations × 6 acceptances
+# × 5 workloads × 6 loads; 2,807 overloaded at every γ), two past chose otherwise than trying all
+# 16 in 80 cases more than the search had before; three past, in none.
+CAPACITY_SEARCH_PATIENCE = 3
 # Generated lengths vary; when no source measured their spread, assume what a per-token stop
 # probability gives (geometric lengths: standard deviation ≈ mean).
 DEFAULT_GEN_CV = 1.0
@@ -2102,7 +2108,11 @@ def best_draft_length(
     candidates are tried from the shortest up, and the search stops ``patience`` past the best
     (``None``: try all): SD's latency falls while a longer draft still adds accepted tokens
     (E[N] is concave in γ) and rises once the draft passes cost more than they add, with only
-    the knees' ripples on top (bench/bench_model.py compares the two).
+    the knees' ripples on top (bench/bench_model.py compares the two). While every γ tried is
+    overloaded, the best is the highest capacity, and the search stops
+    ``CAPACITY_SEARCH_PATIENCE`` past it: capacity rises and falls with γ the same way, and past
+    its peak no longer draft carries the rate. (A load past every capacity, where a decision
+    matters most, built all 16 curves.)
     """
     gammas = sorted({int(c) for c in candidates})
     if not gammas or gammas[0] < 1:
@@ -2119,6 +2129,7 @@ def best_draft_length(
     t_off, mu_off = off.latency_s(rate_rps), off.stability_limit_rps
     best: tuple[int, float, float] | None = None
     best_overloaded: tuple[int, float, float] | None = None
+    top_capacity = -math.inf  # SD's highest limit over the γ tried (the overloaded search's best)
     since_best = 0
     for i, g in enumerate(gammas):
         if g not in on_curves:
@@ -2127,15 +2138,16 @@ def best_draft_length(
         on = on_curves[g]
         t_on = on.latency_s(rate_rps)
         s = _speedup_from(t_off, t_on, mu_off, on.stability_limit_rps)
+        improved = False
         if math.isinf(t_on):
             if best_overloaded is None or s > best_overloaded[1]:
                 best_overloaded = (g, s, t_on)
-            since_best += 1
+            improved = best is None and on.stability_limit_rps > top_capacity
         elif best is None or t_on < best[2]:
-            best, since_best = (g, s, t_on), 0
-        else:
-            since_best += 1
-        if best is not None and patience is not None and since_best >= patience:
+            best, improved = (g, s, t_on), True
+        top_capacity = max(top_capacity, on.stability_limit_rps)
+        since_best = 0 if improved else since_best + 1
+        if patience is not None and since_best >= (patience if best is not None else CAPACITY_SEARCH_PATIENCE):
             break
     return DraftChoice(*(best if best is not None else best_overloaded))  # type: ignore[misc]
 

@@ -1,6 +1,7 @@
 """The latency model: hand-computed cases, then properties over random calibrations."""
 
 import math
+import types
 from dataclasses import replace
 from statistics import NormalDist
 
@@ -10,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from controller.model import (
+    CAPACITY_SEARCH_PATIENCE,
     LIMIT_REASONS,
     PROMPT_KNEE_BINS,
     LatencyModel,
@@ -589,7 +591,7 @@ def test_the_draft_length_search_that_stops_past_the_best_finds_the_exhaustive_l
     for alpha in (0.3, 0.6, 0.8, 0.95):
         for w in (Workload(200, 100, 80.0, 140.0), Workload(1000, 280, 280.0, 600.0), Workload(4000, 500)):
             limit = stability_limits(m, alpha, 1, w)[0]
-            for f in (0.0, 0.3, 0.6, 0.85, 0.95, 1.05):
+            for f in (0.0, 0.3, 0.6, 0.85, 0.95, 1.05, 1.5, 3.0):
                 rate = f * limit
                 quick = best_draft_length(m, rate, alpha, w)
                 full = best_draft_length(m, rate, alpha, w, patience=None)
@@ -598,8 +600,61 @@ def test_the_draft_length_search_that_stops_past_the_best_finds_the_exhaustive_l
                 if math.isfinite(full.latency_on_s):
                     assert quick.latency_on_s <= full.latency_on_s * 1.01
                 else:
-                    assert quick == full  # overloaded at every γ: the whole list is searched
+                    assert quick == full  # overloaded at every γ: the highest capacity, as searching all
     assert same >= 0.95 * total
+
+
+def _search_past_every_capacity(monkeypatch, limits: dict[int, float]):
+    """best_draft_length over curves whose SD limits are ``limits`` (γ → req/s; SD off 10 req/s)
+    at 100 req/s, past all of them: the draft lengths it evaluated, those it built, its choice."""
+    import controller.model as model_mod
+
+    built: list[int] = []
+    tried: list[int] = []
+
+    def curve(g: int, limit: float):
+        def latency_s(rate: float) -> float:
+            tried.append(g)
+            return math.inf
+
+        return types.SimpleNamespace(stability_limit_rps=limit, latency_s=latency_s)
+
+    def fake_build(model, workload, keys):
+        built.extend(int(g) for sd, _en, g in keys if sd)
+        return [curve(int(g), limits[int(g)]) if sd else curve(0, 10.0) for sd, _en, g in keys]
+
+    monkeypatch.setattr(model_mod, "build_curves", fake_build)
+    model_mod.mode_curve.cache_clear()
+    try:
+        choice = best_draft_length(simple(), 100.0, 0.7, Workload(1000.125, 280.0, 200.0, 500.0))
+    finally:
+        model_mod.mode_curve.cache_clear()
+    return [g for g in tried if g], built, choice
+
+
+@pytest.mark.parametrize(
+    ("limits", "chosen", "tries"),
+    [
+        # Rises to γ = 4, falls after: three past the peak.
+        ([11, 12, 13, 14, 13.5, 13, 12.5, 12, 11, 10, 9, 8, 7, 6, 5, 4], 4, 7),
+        # A 1 % ripple past a first peak (a KV-bound capacity): three past it still find the second.
+        ([11, 12, 13, 12.9, 13.2, 12.8, 12.5, 12, 11, 10, 9, 8, 7, 6, 5, 4], 5, 8),
+        # Falling from the shortest draft.
+        ([14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0.5, 0.25], 1, 4),
+        # Rising to the longest: all 16.
+        ([float(g) for g in range(11, 27)], 16, 16),
+    ],
+)
+def test_a_load_past_every_capacity_stops_three_past_the_highest_capacity(monkeypatch, limits, chosen, tries):
+    """Past every limit (plain decoding's too) the choice is the highest capacity, and the search
+    stops CAPACITY_SEARCH_PATIENCE past it instead of building all 16 curves."""
+    assert CAPACITY_SEARCH_PATIENCE == 3
+    tried, built, choice = _search_past_every_capacity(monkeypatch, dict(enumerate(limits, start=1)))
+    assert tried == list(range(1, tries + 1))
+    assert sorted(built) == list(range(1, len(built) + 1)) and len(built) <= max(tries + 1, 3)  # two at a time
+    assert choice.draft_length == chosen
+    assert choice.speedup == pytest.approx(limits[chosen - 1] / 10.0)
+    assert math.isinf(choice.latency_on_s)
 
 
 def test_break_even_zero_and_always_above():
