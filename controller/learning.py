@@ -35,7 +35,7 @@ from controller.correction import (
 from controller.errors import ConfigError
 from controller.evidence import EvidenceRecord, Excluded, FileEvidenceStore, MemoryEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
-from controller.model import LatencyModel, curves, predict_point
+from controller.model import LatencyModel, curves, mode_curve_for, predict_point
 from controller.observation import Observation
 from controller.settings import Settings
 from controller.state import ControllerState
@@ -316,9 +316,10 @@ class Learner:
         return None
 
     def _latency(self, model: LatencyModel, on: bool, obs: Observation, a: Assessment) -> float:
+        # One mode: each of the posterior's probes is a model of its own, whose curves are built anew.
         en = a.acceptance.accepted_length if on else None
-        off_c, on_c = curves(model, a.acceptance.alpha, a.draft_length, a.workload, en)
-        return (on_c if on else off_c).latency_s(float(obs.arrival_rate_rps or 0.0))
+        curve = mode_curve_for(model, on, a.acceptance.alpha, a.draft_length, a.workload, en)
+        return curve.latency_s(float(obs.arrival_rate_rps or 0.0))
 
 
 def steady_load(

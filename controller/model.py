@@ -1728,6 +1728,21 @@ def curves(
     return off_curve, on_curve
 
 
+def mode_curve_for(
+    model: LatencyModel,
+    sd: bool,
+    alpha: float,
+    draft_length: int,
+    workload: Workload,
+    accepted_length: float | None = None,
+) -> ModeCurve:
+    """One mode's rate curve, the same as its half of :func:`curves`, which builds both (a
+    caller that reads one mode, on a model it has just made, pays for one build)."""
+    if not sd or draft_length <= 0:
+        return mode_curve(model, workload, *_OFF)
+    return mode_curve(model, workload, True, _clamped_en(alpha, draft_length, accepted_length), float(draft_length))
+
+
 def cycle_speedup(points: Sequence[PointPrediction]) -> float:
     """The speedup of a load that cycles through ``points`` (equal time at each): the mean
     latency of its requests without SD over with SD (each point weighted by its rate). SD
@@ -2170,8 +2185,7 @@ def throughput_at_batch(
     """
     if batch <= 0:
         return 0.0
-    off, on = curves(model, alpha, max(draft_length, 1), workload, accepted_length)
-    curve = on if sd and draft_length > 0 else off
+    curve = mode_curve_for(model, sd, alpha, draft_length, workload, accepted_length)
     return curve.throughput_at_batch(batch, model.max_num_batched_tokens, workload.computed_prompt_tokens)
 
 
