@@ -1261,3 +1261,27 @@ def test_the_grid_places_the_crossings_first_step():
         found = break_even_rates(model, 0.7, 2, w)
     assert found[1.2].rate_rps == pytest.approx(12.0506, rel=1e-4)
     assert len(steps) <= 3
+
+
+def test_one_mode_curve_is_the_half_of_curves_it_names():
+    """mode_curve_for builds one mode alone: the same latencies, limit and batch, to the bit, as
+    that mode's half of curves (built there with the other mode beside it)."""
+    from controller.model import mode_curve, mode_curve_for
+
+    m = simple(verify=StepCost(0.012, 0.002))
+    for sd, gamma, en in ((False, 4, None), (True, 4, None), (True, 3, 2.5), (True, 0, None)):
+        mode_curve.cache_clear()
+        curves.cache_clear()
+        alone = mode_curve_for(m, sd, 0.7, gamma, W, en)
+        mode_curve.cache_clear()
+        curves.cache_clear()
+        off, on = curves(m, 0.7, gamma, W, en)
+        both = on if sd and gamma > 0 else off
+        assert alone is not both
+        assert alone.stability_limit_rps == both.stability_limit_rps
+        rates = [f * both.stability_limit_rps for f in (0.1, 0.5, 0.9, 0.99)]
+        assert [alone.latency_s(r) for r in rates] == [both.latency_s(r) for r in rates]
+        assert [alone.batch(r) for r in rates] == [both.batch(r) for r in rates]
+    on_curve = mode_curve_for(m, True, 0.7, 4, W)
+    off_curve = mode_curve_for(m, False, 0.7, 4, W)
+    assert on_curve.stability_limit_rps != off_curve.stability_limit_rps  # the mode asked for, not the other
