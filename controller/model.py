@@ -76,6 +76,12 @@ DRAFT_SEARCH_PATIENCE = 1
 # × 5 workloads × 6 loads; 2,807 overloaded at every γ), two past chose otherwise than trying all
 # 16 in 80 cases more than the search had before; three past, in none.
 CAPACITY_SEARCH_PATIENCE = 3
+# Near its limit a draft's latency is its capacity's: past this share of the best draft's limit
+# the search also goes on while a longer draft's capacity still rises (CAPACITY_SEARCH_PATIENCE).
+# Stopping one past the best chose a draft up to 5.4× slower than trying all in 48 of those 3,780
+# loads (a longer draft with more capacity behind one that overloads); going on, in none, for 2 %
+# more curves built over 3,780 loads below the plain limit.
+NEAR_CAPACITY = 0.9
 # Generated lengths vary; when no source measured their spread, assume what a per-token stop
 # probability gives (geometric lengths: standard deviation ≈ mean).
 DEFAULT_GEN_CV = 1.0
@@ -2123,11 +2129,12 @@ def best_draft_length(
     candidates are tried from the shortest up, and the search stops ``patience`` past the best
     (``None``: try all): SD's latency falls while a longer draft still adds accepted tokens
     (E[N] is concave in γ) and rises once the draft passes cost more than they add, with only
-    the knees' ripples on top (bench/bench_model.py compares the two). While every γ tried is
-    overloaded, the best is the highest capacity, and the search stops
-    ``CAPACITY_SEARCH_PATIENCE`` past it: capacity rises and falls with γ the same way, and past
-    its peak no longer draft carries the rate. (A load past every capacity, where a decision
-    matters most, built all 16 curves.)
+    the knees' ripples on top (bench/bench_model.py compares the two). Near a limit latency
+    follows capacity, which rises and falls with γ the same way: while every γ tried is
+    overloaded, or the best runs past ``NEAR_CAPACITY`` of its own limit, the search also goes
+    on until ``CAPACITY_SEARCH_PATIENCE`` past the highest capacity (a load past every capacity,
+    where a decision matters most, built all 16 curves; one near the best's limit stopped short
+    of a longer draft with more room).
     """
     gammas = sorted({int(c) for c in candidates})
     if not gammas or gammas[0] < 1:
@@ -2144,25 +2151,32 @@ def best_draft_length(
     t_off, mu_off = off.latency_s(rate_rps), off.stability_limit_rps
     best: tuple[int, float, float] | None = None
     best_overloaded: tuple[int, float, float] | None = None
-    top_capacity = -math.inf  # SD's highest limit over the γ tried (the overloaded search's best)
-    since_best = 0
+    best_capacity = top_capacity = -math.inf  # SD's limit at the best γ, and the highest over those tried
+    since_best = since_peak = 0
     for i, g in enumerate(gammas):
         if g not in on_curves:
             more = gammas[i : i + 2]
             on_curves.update(zip(more, mode_curve.many(model, workload, [*map(sd, more)]), strict=True))
         on = on_curves[g]
-        t_on = on.latency_s(rate_rps)
-        s = _speedup_from(t_off, t_on, mu_off, on.stability_limit_rps)
-        improved = False
+        t_on, capacity = on.latency_s(rate_rps), on.stability_limit_rps
+        s = _speedup_from(t_off, t_on, mu_off, capacity)
+        since_peak = 0 if capacity > top_capacity else since_peak + 1
+        top_capacity = max(top_capacity, capacity)
         if math.isinf(t_on):
             if best_overloaded is None or s > best_overloaded[1]:
                 best_overloaded = (g, s, t_on)
-            improved = best is None and on.stability_limit_rps > top_capacity
+            since_best += 1
         elif best is None or t_on < best[2]:
-            best, improved = (g, s, t_on), True
-        top_capacity = max(top_capacity, on.stability_limit_rps)
-        since_best = 0 if improved else since_best + 1
-        if patience is not None and since_best >= (patience if best is not None else CAPACITY_SEARCH_PATIENCE):
+            best, best_capacity, since_best = (g, s, t_on), capacity, 0
+        else:
+            since_best += 1
+        if patience is None:
+            continue
+        past_peak = since_peak >= CAPACITY_SEARCH_PATIENCE
+        if best is None:
+            if past_peak:
+                break
+        elif since_best >= patience and (past_peak or rate_rps < NEAR_CAPACITY * best_capacity):
             break
     return DraftChoice(*(best if best is not None else best_overloaded))  # type: ignore[misc]
 

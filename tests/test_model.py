@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from controller.model import (
     CAPACITY_SEARCH_PATIENCE,
     LIMIT_REASONS,
+    NEAR_CAPACITY,
     PROMPT_KNEE_BINS,
     LatencyModel,
     Moe,
@@ -604,18 +605,19 @@ def test_the_draft_length_search_that_stops_past_the_best_finds_the_exhaustive_l
     assert same >= 0.95 * total
 
 
-def _search_past_every_capacity(monkeypatch, limits: dict[int, float]):
-    """best_draft_length over curves whose SD limits are ``limits`` (γ → req/s; SD off 10 req/s)
-    at 100 req/s, past all of them: the draft lengths it evaluated, those it built, its choice."""
+def _search_fake_curves(monkeypatch, limits: dict[int, float], rate: float = 100.0, alone_s: float = 1.0):
+    """best_draft_length at ``rate`` over curves whose SD limits are ``limits`` (γ → req/s; SD
+    off 10 req/s), each an M/M/1-like latency alone_s/(1 − rate/limit): the draft lengths it
+    evaluated, those it built, and its choice."""
     import controller.model as model_mod
 
     built: list[int] = []
     tried: list[int] = []
 
     def curve(g: int, limit: float):
-        def latency_s(rate: float) -> float:
+        def latency_s(r: float) -> float:
             tried.append(g)
-            return math.inf
+            return alone_s / (1.0 - r / limit) if r < limit else math.inf
 
         return types.SimpleNamespace(stability_limit_rps=limit, latency_s=latency_s)
 
@@ -626,10 +628,14 @@ def _search_past_every_capacity(monkeypatch, limits: dict[int, float]):
     monkeypatch.setattr(model_mod, "build_curves", fake_build)
     model_mod.mode_curve.cache_clear()
     try:
-        choice = best_draft_length(simple(), 100.0, 0.7, Workload(1000.125, 280.0, 200.0, 500.0))
+        choice = best_draft_length(simple(), rate, 0.7, Workload(1000.125, 280.0, 200.0, 500.0))
     finally:
         model_mod.mode_curve.cache_clear()
     return [g for g in tried if g], built, choice
+
+
+def _search_past_every_capacity(monkeypatch, limits: dict[int, float]):
+    return _search_fake_curves(monkeypatch, limits, rate=100.0)
 
 
 @pytest.mark.parametrize(
@@ -655,6 +661,25 @@ def test_a_load_past_every_capacity_stops_three_past_the_highest_capacity(monkey
     assert choice.draft_length == chosen
     assert choice.speedup == pytest.approx(limits[chosen - 1] / 10.0)
     assert math.isinf(choice.latency_on_s)
+
+
+@pytest.mark.parametrize(
+    ("rate", "chosen", "tries"),
+    [
+        # 16.35 req/s: γ = 2 carries it at 0.998 of its limit and γ = 3 does not; γ = 4 has more
+        # room (the A100 apc calibration's shape at α = 0.9, 4k prompts: 5.4× faster there).
+        (16.35, 4, 7),
+        # At 0.6 of the best's limit latency decides alone: one past the best, as ever.
+        (9.8, 2, 3),
+    ],
+)
+def test_a_load_near_the_best_drafts_limit_searches_on_while_capacity_rises(monkeypatch, rate, chosen, tries):
+    limits = [15.0, 16.39, 16.34, 16.83, 16.64, 16.72, 16.55, 16.33, 16.32, 16.08, 16.0, 15.8, 15.7, 15.5, 15.2, 15.1]
+    assert NEAR_CAPACITY == 0.9
+    tried, _built, choice = _search_fake_curves(monkeypatch, dict(enumerate(limits, start=1)), rate=rate)
+    assert tried == list(range(1, tries + 1))
+    assert choice.draft_length == chosen
+    assert choice.latency_on_s == pytest.approx(1.0 / (1.0 - rate / limits[chosen - 1]))
 
 
 def test_break_even_zero_and_always_above():
