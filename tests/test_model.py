@@ -667,7 +667,7 @@ def test_a_load_past_every_capacity_stops_three_past_the_highest_capacity(monkey
     ("rate", "chosen", "tries"),
     [
         # 16.35 req/s: γ = 2 carries it at 0.998 of its limit and γ = 3 does not; γ = 4 has more
-        # room (the A100 apc calibration's shape at α = 0.9, 4k prompts: 5.4× faster there).
+        # room (the A100 apc calibration at α = 0.9, 4k prompts, its rates ×10: 5.4× faster there).
         (16.35, 4, 7),
         # At 0.6 of the best's limit latency decides alone: one past the best, as ever.
         (9.8, 2, 3),
