@@ -155,7 +155,7 @@ def search_agreement(model) -> None:
                     worst = max(worst, quick.latency_on_s / full.latency_on_s)
     print(
         f"draft-length search stopping {DRAFT_SEARCH_PATIENCE} past the best ({CAPACITY_SEARCH_PATIENCE} past the best"
-        f" capacity while every γ is overloaded): {differ} of {total} choices differ from trying all"
+        f" capacity where capacity decides): {differ} of {total} choices differ from trying all"
         f" ({overloaded} overloaded at every γ); SD latency at most {(worst - 1) * 100:.2f} % above the exhaustive"
         " choice's"
     )

@@ -70,7 +70,8 @@ DEFAULT_THRESHOLDS = (1.0, 1.05, 1.2)
 # one past chose as trying all 16 in 1,944 of 1,944 cases (the example and the 17 stored truth
 # calibrations × acceptances × workloads × loads), and saves a curve build a fresh decision.
 DRAFT_SEARCH_PATIENCE = 1
-# While SD is overloaded at every γ tried, the search stops this many past the highest capacity:
+# Where capacity decides (SD overloaded at every γ tried, or the best past NEAR_CAPACITY of its
+# limit) the search goes on to this many past the highest capacity:
 # a capacity bound by the KV cache ripples by 1–2 % from one γ to the next (the L40S calibrations).
 # Over 3,780 loads at or past capacity (the example and the 20 stored calibrations × 6 acceptances
 # × 5 workloads × 6 loads; 2,807 overloaded at every γ), two past chose otherwise than trying all

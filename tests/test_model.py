@@ -634,10 +634,6 @@ def _search_fake_curves(monkeypatch, limits: dict[int, float], rate: float = 100
     return [g for g in tried if g], built, choice
 
 
-def _search_past_every_capacity(monkeypatch, limits: dict[int, float]):
-    return _search_fake_curves(monkeypatch, limits, rate=100.0)
-
-
 @pytest.mark.parametrize(
     ("limits", "chosen", "tries"),
     [
@@ -655,7 +651,7 @@ def test_a_load_past_every_capacity_stops_three_past_the_highest_capacity(monkey
     """Past every limit (plain decoding's too) the choice is the highest capacity, and the search
     stops CAPACITY_SEARCH_PATIENCE past it instead of building all 16 curves."""
     assert CAPACITY_SEARCH_PATIENCE == 3
-    tried, built, choice = _search_past_every_capacity(monkeypatch, dict(enumerate(limits, start=1)))
+    tried, built, choice = _search_fake_curves(monkeypatch, dict(enumerate(limits, start=1)), rate=100.0)
     assert tried == list(range(1, tries + 1))
     assert sorted(built) == list(range(1, len(built) + 1)) and len(built) <= max(tries + 1, 3)  # two at a time
     assert choice.draft_length == chosen
