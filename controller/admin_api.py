@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 MIN_SPEC_TOKENS, MAX_SPEC_TOKENS = 1, 64
 MAX_RESTART_DURATIONS = 20  # how many switch durations a status reports
+# What a status may say (0: a server reporting "none" while SD is off); a draft length past it
+# is garbage the controller would price, and a duration must be one a restart can take.
+SpecTokens = Annotated[StrictInt, Field(ge=0, le=MAX_SPEC_TOKENS)]
+Duration = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class HookPhase(StrEnum):
@@ -35,7 +39,7 @@ class SdConfig:
     """An SD setting: on/off and, when on, the draft length (None: whatever vLLM defaults to)."""
 
     enabled: StrictBool
-    num_speculative_tokens: StrictInt | None = None
+    num_speculative_tokens: SpecTokens | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "num_speculative_tokens": self.num_speculative_tokens}
@@ -59,8 +63,8 @@ class AdminStatus(BaseModel):
     applied: SdConfig | None = None
     desired: SdConfig | None = None
     restart_count: int = 0
-    last_restart_duration_s: float | None = None
-    restart_durations_s: list[float] | None = None
+    last_restart_duration_s: Duration | None = None
+    restart_durations_s: list[Duration] | None = None
     child_pid: int | None = None
     last_error: str | None = None
     vllm_url: str | None = None

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
-from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload, stair_residual
+from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload, predict_point, stair_residual
 from controller.treads import describe as describe_treads
 from controller.treads import table_period
 
@@ -73,12 +73,13 @@ KNEE_LR_CHI2 = 3.84  # 95 % profile-likelihood interval of the knee position
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Python's json reads NaN and Infinity; no field of a calibration means either.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class KneeSpec(_Strict):
     at_tokens: float = Field(gt=0, description="tokens in the step where the slope changes")
-    slope_delta_s_per_token: float = Field(description="slope added past the knee")
+    slope_delta_s_per_token: float = Field(ge=-1, le=1, description="slope added past the knee")
     interval_tokens: tuple[float, float] | None = Field(
         default=None, description="95 % profile-likelihood interval of the knee position"
     )
@@ -197,8 +198,12 @@ class Serving(_Strict):
     max_num_batched_tokens: int | None = Field(
         default=None, ge=16, le=1_048_576, description="vLLM --max-num-batched-tokens (chunked-prefill budget per step)"
     )
-    kv_cache_tokens_off: int | None = Field(default=None, ge=1, description="KV cache capacity without SD, tokens")
-    kv_cache_tokens_on: int | None = Field(default=None, ge=1, description="KV cache capacity with SD, tokens")
+    kv_cache_tokens_off: int | None = Field(
+        default=None, ge=1, le=10**12, description="KV cache capacity without SD, tokens"
+    )
+    kv_cache_tokens_on: int | None = Field(
+        default=None, ge=1, le=10**12, description="KV cache capacity with SD, tokens"
+    )
     prefix_caching: bool | None = Field(
         default=None,
         description="vLLM --enable-prefix-caching as the bench read it (vllm:cache_config_info): a preempted"
@@ -223,8 +228,8 @@ class MoeSpec(_Strict):
 
 
 class LoadCorrection(_Strict):
-    scale_off: float = Field(default=1.0, gt=0, le=100)
-    scale_on: float = Field(default=1.0, gt=0, le=100)
+    scale_off: float = Field(default=1.0, ge=0.01, le=100)
+    scale_on: float = Field(default=1.0, ge=0.01, le=100)
 
 
 class LoadCheck(_Strict):
@@ -339,9 +344,13 @@ def parse(text: str, where: str = "calibration") -> CalibrationFile:
         raise InputError(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno}") from exc
     except RecursionError:
         raise InputError(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:  # an integer past Python's 4,300 digits
+        raise InputError(f"{where}: not a usable JSON number: {exc}") from None
     if not isinstance(raw, dict):
         raise InputError(f"{where}: top level must be a JSON object")
     version = raw.get("schema_version")
+    if isinstance(version, bool):  # true == 1 in Python: a v2 file would be migrated as v1
+        version = str(version).lower()
     if version == 1:
         raw = _migrate_v1(raw, where)
     elif version != SCHEMA_VERSION:
@@ -349,14 +358,37 @@ def parse(text: str, where: str = "calibration") -> CalibrationFile:
             f"{where}: schema_version {version!r} is not supported (this build reads 1 and {SCHEMA_VERSION}); {RECALIBRATE_HINT}"
         )
     try:
-        return CalibrationFile.model_validate(raw)
+        cal = CalibrationFile.model_validate(raw)
     except ValidationError as exc:
         raise InputError(validation_error_line(where, exc)) from exc
+    _check_idle(cal, where)
+    return cal
+
+
+def _check_idle(cal: CalibrationFile, where: str) -> None:
+    """InputError unless the model predicts a positive, finite latency for a request alone.
+
+    Every field can be in range and the costs still price nothing (an all-zero target): each
+    command would then divide by zero on its first prediction.
+    """
+    try:
+        with np.errstate(all="ignore"):  # a zero cost's 0/0 is this check's answer, not a warning
+            p = predict_point(cal.latency_model(), 0.0, 0.5, 2, Workload(512, 128))
+        ok = all(math.isfinite(t) and t > 1e-9 for t in (p.latency_off_s, p.latency_on_s))
+    except (ArithmeticError, ValueError):
+        ok = False
+    if not ok:
+        raise InputError(
+            f"{where}: predicts no finite, positive latency for a request alone (a step costing zero or less); {RECALIBRATE_HINT}"
+        )
 
 
 def save(cal: CalibrationFile, path: str | Path) -> None:
     """Write atomically: a failed run never leaves half a file."""
-    write_json_atomic(path, cal.model_dump(mode="json"))
+    try:
+        write_json_atomic(path, cal.model_dump(mode="json"))
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write the calibration: {exc.strerror or exc}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,10 +476,16 @@ def _read_csv(path: Path, columns: Sequence[str]) -> tuple[list[dict[str, str]],
     missing = [c for c in columns if c not in header]
     if missing:
         raise InputError(f"{path}: missing column(s) {', '.join(missing)} (header: {','.join(header)})")
+    twice = sorted({h for h in header if header.count(h) > 1})
+    if twice:
+        raise InputError(f"{path}:1: column(s) {', '.join(twice)} named twice in the header")
     reader.fieldnames = header
     rows = list(reader)
     if not rows:
         raise InputError(f"{path}: no data rows")
+    for i, row in enumerate(rows):
+        if None in row:  # DictReader files the cells past the header under None
+            raise InputError(f"{path}:{i + 2}: {len(header) + len(row[None])} cells for {len(header)} columns")
     return rows, hashlib.sha256(data).hexdigest()
 
 
@@ -473,6 +511,9 @@ def read_bench_csv(path: str | Path) -> tuple[list[BenchRow], str]:
     """
     p = Path(path)
     raw, digest = _read_csv(p, BENCH_COLUMNS)
+    if "chunk_tokens" in raw[0] and "draft_length" not in raw[0]:
+        # Mixed-step files record the server's γ: without it an SD server's rows pass for SD off's.
+        raise InputError(f"{p}:1: column chunk_tokens without draft_length: the rows cannot say which server ran them")
     rows = []
     for i, r in enumerate(raw):
         line = i + 2  # header is line 1
@@ -506,7 +547,19 @@ def read_bench_csv(path: str | Path) -> tuple[list[BenchRow], str]:
         if phase == "prefix_caching" and ctx not in (0, 1):
             raise InputError(f"{p}:{line}: column context_len: a prefix_caching row is 1 (on) or 0 (off), got {ctx:g}")
         rows.append(BenchRow(phase, int(batch), int(tps), ctx, int(it), lat, line, gamma, chunk, str(p)))
+    _check_repeats(rows, p)
     return rows, digest
+
+
+def _check_repeats(rows: Sequence[BenchRow], path: Path) -> None:
+    """InputError on a row that repeats another: the same step and iteration (a file pasted
+    twice weighs its steps double)."""
+    seen: dict[tuple, int] = {}
+    for r in rows:
+        step = (r.phase, r.batch_size, r.tokens_per_seq, r.context_len, r.draft_length, r.chunk_tokens, r.iteration)
+        first = seen.setdefault(step, r.line)
+        if first != r.line:
+            raise InputError(f"{path}:{r.line}: repeats line {first} (the same {r.phase} step and iteration)")
 
 
 def read_bench_csvs(paths: Sequence[str | Path]) -> tuple[list[BenchRow], str]:
@@ -515,6 +568,10 @@ def read_bench_csvs(paths: Sequence[str | Path]) -> tuple[list[BenchRow], str]:
     digests = []
     for path in paths:
         r, d = read_bench_csv(path)
+        if d in digests:
+            raise InputError(
+                f"{path}: the same bench file as {paths[digests.index(d)]} (given twice, it weighs double)"
+            )
         rows.extend(r)
         digests.append(d)
     combined = digests[0] if len(digests) == 1 else hashlib.sha256("".join(digests).encode()).hexdigest()
@@ -632,8 +689,32 @@ def drop_warmup(rows: Iterable[BenchRow], warmup: int, where: str = "bench") -> 
                 f" context_len {ctx:g} chunk_tokens {chunk}: only {len(group)} iteration(s), all dropped"
                 f" as warm-up (warmup={warmup}); lower --warmup"
             )
+        _check_timings(group[warmup:])
         kept.extend(group[warmup:])
     return kept
+
+
+# A timing this far below its repetitions' median is a glitch, not a fast step: the fit weighs
+# rows by 1/latency, and one such row took a 703-row calibration's intercept to zero.
+GLITCH_FRACTION = 0.25
+
+
+def _check_timings(group: Sequence[BenchRow]) -> None:
+    """InputError on a kept repetition of one step that is no timing: zero (two streamed chunks
+    read together; the warm-up's first iterations show it) or far below the others
+    (GLITCH_FRACTION of their median, with three or more to tell)."""
+    median = statistics.median(r.latency_s for r in group) if len(group) >= 3 else 0.0
+    for r in group:
+        if r.latency_s <= 0.0:
+            raise InputError(
+                f"{r.source}:{r.line}: column latency_s: a {r.phase} step of {r.latency_s:g} s is no timing:"
+                " remove the row or re-run the bench"
+            )
+        if r.latency_s < GLITCH_FRACTION * median:
+            raise InputError(
+                f"{r.source}:{r.line}: column latency_s: {r.latency_s:g} s is under {GLITCH_FRACTION:g} of the"
+                f" {len(group)} repetitions' median {median:g} s (a timing glitch): remove the row or re-run the bench"
+            )
 
 
 def _r2(y: np.ndarray, pred: np.ndarray) -> float | None:
@@ -1504,7 +1585,32 @@ def calibrate(
 
     ``prefix_caching`` overrides what the bench recorded (its ``prefix_caching`` rows): for a
     bench made before it recorded that, or a server relaunched with the other setting since.
+    A fit no calibration file can hold (a cost past its field's range: the bench's rows in the
+    wrong unit, say) is an InputError naming the field, as the file would be.
     """
+    try:
+        cal = _calibrate(
+            bench_rows, warmup, max_num_seqs, max_num_batched_tokens, moe, load_rows, correct, metadata, where,
+            prefix_caching,
+        )  # fmt: skip
+    except ValidationError as exc:
+        raise InputError(validation_error_line(where, exc)) from None
+    _check_idle(cal, where)
+    return cal
+
+
+def _calibrate(
+    bench_rows: Sequence[BenchRow],
+    warmup: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int | None,
+    moe: MoeSpec | None,
+    load_rows: Sequence[LoadRow] | None,
+    correct: bool,
+    metadata: Metadata | None,
+    where: str,
+    prefix_caching: bool | None,
+) -> CalibrationFile:
     moe_model = Moe(moe.num_experts, moe.top_k) if moe else None
     phases, unc = fit_phases(bench_rows, warmup, moe_model, where, max_num_batched_tokens)
     meta = metadata or Metadata()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -49,7 +49,10 @@ def http_url(v: str | None) -> str | None:
 
 
 # allow_inf_nan=False: evaluation_interval_s=inf (or a NaN threshold) is a typo, not a setting.
-GROUP_CONFIG = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
+# coerce_numbers_to_str: `replica_id: 1` in YAML (or --set replica_id=1) is the string an env var gives.
+GROUP_CONFIG = ConfigDict(
+    frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False, coerce_numbers_to_str=True
+)
 
 
 class DecisionSettings(BaseModel):
@@ -125,6 +128,12 @@ class DecisionSettings(BaseModel):
         OverrideMode.AUTO,
         description="auto: the controller decides; on/off: force SD through the hook (the pending lock still holds).",
     )
+
+    @field_validator("override", mode="before")
+    @classmethod
+    def _yaml_switch(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean: `override: off` means the string.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("draft_length_candidates")
     @classmethod

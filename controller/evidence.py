@@ -194,8 +194,8 @@ def _parse(raw: bytes) -> tuple[list[EvidenceRecord], bool]:
     lines = text.split("\n")
     try:
         head = json.loads(lines[0])
-    except ValueError as exc:
-        raise ValueError(f"line 1: header is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"line 1: header is not JSON: {type(exc).__name__}") from None
     if not isinstance(head, dict) or head.get("kind") != EVIDENCE_KIND:
         raise ValueError(f"line 1: not an {EVIDENCE_KIND} file")
     if head.get("schema") != EVIDENCE_SCHEMA:
@@ -211,6 +211,6 @@ def _parse(raw: bytes) -> tuple[list[EvidenceRecord], bool]:
     for i, line in enumerate(body, start=2):
         try:
             out.append(EvidenceRecord.from_dict(json.loads(line)))
-        except (ValueError, TypeError, RecursionError) as exc:
+        except (ValueError, TypeError, RecursionError, ArithmeticError) as exc:
             raise ValueError(f"line {i}: {exc}") from None
     return out, torn

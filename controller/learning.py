@@ -92,7 +92,7 @@ class FilePosteriorStore:
             if not isinstance(data, dict):
                 raise ValueError("top level is not an object")
             posterior = Posterior.from_dict(data.get("posterior"))
-        except (ValueError, TypeError, RecursionError) as exc:
+        except (ValueError, TypeError, RecursionError, ArithmeticError) as exc:
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             try:
                 os.replace(self.path, aside)

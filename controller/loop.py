@@ -3,8 +3,10 @@
     status  = hook.status()                      (what is applied, is a change pending)
     state   = policy.reconcile(state, status)
     obs     = source.observe(now)
-    a       = assessment.assess(model, obs, state)   (when the observation is usable)
-    d, state = policy.decide(state, obs, a, override, now)
+    series  = policy.follow_series(series, state, status, obs)   (what the metrics say of SD)
+    a       = assessment.assess(model, obs, state)   (when the observation is usable; a model
+                                                      that cannot price it holds the tick)
+    d, state = policy.decide(state, obs, a, override, now, series)
     hook.request(d) / exporter.record(...) / state_store.save(state)
 
 Everything with I/O is injected (clock, source, hook, registry, state store, override reader,
@@ -26,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from controller import deadline, policy
 from controller.assessment import Assessment, assess
-from controller.config import OverrideMode
+from controller.config import OverrideMode, PolicyConfig
 from controller.coordination.gate import RestartGate
 from controller.events import Event, EventKind
 from controller.exporter import Exporter
@@ -34,7 +36,7 @@ from controller.fleet import FleetRouting, decide_for_fleet
 from controller.hooks.base import ChangeRequest, Hook, HookError, HookStatus
 from controller.learning import Learned, Learner
 from controller.model import LatencyModel
-from controller.observation import Observation, ObservationFailure, ObserveResult
+from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
 from controller.policy import Decision
 from controller.settings import Settings
 from controller.sources.base import Source
@@ -75,6 +77,11 @@ def override_from_file(path: Path | None, default: OverrideMode) -> Callable[[],
             return default
         except OSError as exc:
             log.error("override_file_unreadable", path=str(path), error=exc.strerror or str(exc))
+            return default
+        except ValueError as exc:
+            # UnicodeDecodeError (a ValueError): UTF-16 as PowerShell writes it, a binary byte.
+            why = f"not UTF-8 text: {exc.reason}" if isinstance(exc, UnicodeDecodeError) else str(exc)
+            log.error("override_file_unreadable", path=str(path), error=why.splitlines()[0][:200])
             return default
         if not text:
             return default
@@ -153,6 +160,9 @@ class Controller:
         if gate is not None:
             gate.register(self.registry)
         self._prefix_caching_seen: bool | None = None  # the server's, last time it said
+        # What the metrics have said of SD while the hook cannot (policy.follow_series).
+        self._series = policy.SeriesRun()
+        self._assessment_error: str | None = None  # the last tick's, so a run of them logs once
         self._calibrated_prefix_caching = model.prefix_caching  # what the calibration recorded
 
     @property
@@ -177,20 +187,25 @@ class Controller:
         s = priced_for_fleet(s, obs)  # fleet mode: a restart is a dip of one of the replicas serving now
         override = self.override()
         failure = policy.usable(obs, s)
-        assessment = None
-        if failure is None and isinstance(obs, Observation):
-            assessment = assess(
-                self.learner.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now
-            )
-        learned = self.learner.learn(now, state, obs, assessment, status)
-        if assessment is not None and state.applied_enabled is not None:
-            ratio = self.learner.posterior.error_ratio("on" if state.applied_enabled else "off")
-            assessment = dataclasses.replace(assessment, model_error_ratio=ratio)
-            if state.applied_enabled is False and s.enable_posterior_z > 0 and s.enable_on_pessimistic_speedup:
-                # Enabling is judged at the pessimistic end of what the evidence leaves open.
-                sd = self.learner.speedup_log_sd(assessment)
-                assessment = dataclasses.replace(assessment, speedup_log_sd=sd)
-        decision, state = policy.decide(s, state, obs, assessment, override, now, started_at=self.started_at)
+        self._series = policy.follow_series(self._series, state, status, obs, s)
+        assessment, learned, assess_error = None, None, None
+        try:
+            assessment, learned = self._assess(s, state, obs, failure, status, now)
+        except (ValueError, ArithmeticError) as exc:
+            # Absurd but finite inputs (a 1e150-token mean prompt) can break the model's
+            # arithmetic. That is one unusable observation, held like the others, not a failing
+            # tick: a run of those would get the pod restarted for a bad scrape.
+            assess_error = f"assessment failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+            assessment, learned = None, None
+            failure = ObservationFailure(FailureReason.IMPLAUSIBLE, assess_error)
+            if assess_error != self._assessment_error:
+                log.warning("assessment_failed", error=assess_error, detail="held; logged once while it repeats")
+        self._assessment_error = assess_error
+        decision, state = policy.decide(
+            s, state, obs, assessment, override, now, started_at=self.started_at, series=self._series
+        )
+        if assess_error is not None and decision.reason is policy.Reason.OBSERVATION:
+            decision = dataclasses.replace(decision, detail=assess_error)
         if self.gate is not None and assessment is not None and isinstance(obs, Observation):
             decision = self._fleet_plan(decision, state, obs, assessment, now)  # fleet mode: k of N (fleet.py)
         events = events + decision.events
@@ -233,6 +248,34 @@ class Controller:
             if ev.kind in NOTIFY_EVENTS:
                 self.notify(ev.kind.value, {"detail": str(ev), "reason": decision.reason.value, "time": now})
         return TickResult(now, obs, assessment, decision, state, events, acted, status, failure, learned)
+
+    def _assess(
+        self,
+        s: PolicyConfig,
+        state: ControllerState,
+        obs: ObserveResult,
+        failure: ObservationFailure | None,
+        status: HookStatus,
+        now: float,
+    ) -> tuple[Assessment | None, Learned]:
+        """The model's view of a usable observation, and what it taught the learner.
+
+        Raises what the model raises (ValueError, ArithmeticError) on inputs it cannot price.
+        """
+        assessment = None
+        if failure is None and isinstance(obs, Observation):
+            assessment = assess(
+                self.learner.model, s, state, obs, state.applied_enabled, state.applied_draft_length, now
+            )
+        learned = self.learner.learn(now, state, obs, assessment, status)
+        if assessment is not None and state.applied_enabled is not None:
+            ratio = self.learner.posterior.error_ratio("on" if state.applied_enabled else "off")
+            assessment = dataclasses.replace(assessment, model_error_ratio=ratio)
+            if state.applied_enabled is False and s.enable_posterior_z > 0 and s.enable_on_pessimistic_speedup:
+                # Enabling is judged at the pessimistic end of what the evidence leaves open.
+                sd = self.learner.speedup_log_sd(assessment)
+                assessment = dataclasses.replace(assessment, speedup_log_sd=sd)
+        return assessment, learned
 
     def _check_prefix_caching(self, said: bool | None) -> None:
         """Price a full KV cache by the server's own prefix caching, once per setting it reports.

@@ -338,6 +338,19 @@ class Workload:
     # / Δrequests; on by default in vLLM v1): not computed, but read by what is.
     cached_prompt_tokens: float = 0.0
 
+    def __post_init__(self) -> None:
+        # A NaN or a negative length reaches the chain as a non-positive rate, far from its cause.
+        for name in ("prompt_tokens", "gen_tokens", "cached_prompt_tokens"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"workload {name}: {v!r} must be a finite number >= 0")
+        for name in ("gen_tokens_std", "prompt_tokens_std", "running_context_tokens"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"workload {name}: {v!r} must be a finite number >= 0 (or None)")
+        if self.gen_tokens <= 0.0:
+            raise ValueError(f"workload gen_tokens: {self.gen_tokens!r} must be > 0")
+
     def __hash__(self) -> int:  # a key of every curve cache, looked up on each evaluation
         return _hash_once(self)
 
@@ -1715,6 +1728,8 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float,
 @functools.lru_cache(maxsize=1024)  # a decision asks it for each γ at one α, every tick
 def _clamped_en(alpha: float, draft_length: int, accepted_length: float | None) -> float:
     en = float(_accepted_length(alpha, draft_length)) if accepted_length is None else float(accepted_length)
+    if en != en:  # NaN passes min and max
+        raise ValueError(f"acceptance: alpha {alpha!r}, accepted length {accepted_length!r}: not a number")
     return min(max(en, 1.0), draft_length + 1.0)
 
 
@@ -1874,6 +1889,8 @@ def predict_points(
 
 def speedup_point(model: LatencyModel, rate_rps: float, alpha: float, draft_length: int, workload: Workload) -> float:
     """Scalar speedup T_off / T_on at one point (see :class:`Prediction` for overload)."""
+    if rate_rps < 0 or not math.isfinite(rate_rps):
+        raise ValueError("arrival rate must be finite and >= 0")
     off, on = curves(model, alpha, draft_length, workload)
     return _speedup_from(
         off.latency_s(rate_rps), on.latency_s(rate_rps), off.stability_limit_rps, on.stability_limit_rps
@@ -2140,6 +2157,8 @@ def best_draft_length(
     gammas = sorted({int(c) for c in candidates})
     if not gammas or gammas[0] < 1:
         raise ValueError("draft length candidates must be integers >= 1")
+    if rate_rps < 0 or not math.isfinite(rate_rps):
+        raise ValueError("arrival rate must be finite and >= 0")
 
     def sd(g: int) -> CurveKey:
         return True, _clamped_en(alpha, g, None), float(g)

@@ -7,6 +7,8 @@ One tick runs, in order:
 
 1. :func:`reconcile` — fold the hook's status into the state: confirm or fail a pending change
    (timeout → failed, with backoff), adopt a change made by someone else.
+   :func:`follow_series` — while the hook cannot say what is applied, count the usable scrapes
+   in a row that agree on whether vLLM exports SD series (decide adopts what they show).
 2. :func:`decide` — override, observation gate, dwell, backoff, acceptance floor, hysteresis
    thresholds and the switch-cost gate, in that order; returns a :class:`Decision`.
 3. :func:`record_request` — after the shell asked the hook: pending lock on, or a failure.
@@ -38,6 +40,14 @@ from controller.risk import (
 from controller.state import ControllerState, PendingChange
 
 MAX_RESTART_DURATIONS = 20
+# While the hook cannot say what is applied, the metrics decide: this many usable observations
+# in a row must agree that vLLM exports (or does not export) SD series before the state follows.
+SERIES_AGREE_TICKS = 3
+# Little's law: requests in the server ≈ arrival rate × mean latency. An observed latency the
+# server's own queue cannot account for (fewer than this fraction of rate × latency running or
+# waiting, give or take one request of Poisson noise) is a glitch in the latency sum, not harm.
+LITTLE_MIN_FRACTION = 0.5
+LITTLE_SLACK_REQUESTS = 1.0
 # The rate history the forecast reads: eight days (yesterday and the same weekday last week,
 # with room) of HISTORY_BUCKET_S buckets.
 HISTORY_KEEP_S = 8 * 86_400.0
@@ -180,6 +190,67 @@ def reconcile(
     return state, tuple(events)
 
 
+@dataclass(frozen=True)
+class SeriesRun:
+    """How many usable observations in a row agree on whether vLLM exports SD series.
+
+    Kept by the caller (the loop) between ticks, updated by :func:`follow_series` and read by
+    :func:`decide`; empty while the hook reports the applied state or a change is pending.
+    """
+
+    present: bool | None = None
+    ticks: int = 0
+
+
+def follow_series(
+    run: SeriesRun, state: ControllerState, status: HookStatus, observation: ObserveResult, settings: PolicyConfig
+) -> SeriesRun:
+    """The run after this tick's observation (``state`` after :func:`reconcile`).
+
+    Only while the hook cannot report the applied state (``applied_enabled`` None: NoHook, an
+    ExecHook before its first change, an unreadable status) and no change of ours is pending;
+    otherwise the hook's word (or the pending lock) rules and the run is empty. An unusable
+    observation, or one that cannot tell, neither counts nor breaks the run.
+    """
+    if status.applied_enabled is not None or state.pending is not None:
+        return SeriesRun() if run != SeriesRun() else run
+    if usable(observation, settings) is not None or not isinstance(observation, Observation):
+        return run
+    present = observation.sd_series_present
+    if present is None:
+        return run
+    return SeriesRun(present, run.ticks + 1 if run.present == present else 1)
+
+
+def _follow_metrics(
+    state: ControllerState, series: SeriesRun | None, now: float
+) -> tuple[ControllerState, Event | None, str | None]:
+    """Adopt what the metrics have shown for SERIES_AGREE_TICKS usable ticks when it differs from
+    the state. Nothing known yet: it is the first inference (one scrape that lacked the SD
+    families must not decide it). Known otherwise: an external change (an operator restarting
+    vLLM, or an earlier inference that was wrong). Returns the state, the event, and, while the
+    metrics have not agreed for long enough, why the decision should hold."""
+    if series is None or series.present is None or state.pending is not None or series.present == state.applied_enabled:
+        return state, None, None
+    shown = "on" if series.present else "off"
+    if series.ticks < SERIES_AGREE_TICKS:
+        held = "unknown" if state.applied_enabled is None else "on" if state.applied_enabled else "off"
+        why = f"metrics show SD {shown} for {series.ticks} of {SERIES_AGREE_TICKS} ticks, the state says {held}"
+        return state, None, why
+    if state.applied_enabled is None:
+        return dataclasses.replace(state, applied_enabled=series.present), None, None
+    # Counted as a change, as reconcile counts one the hook reports, so the dwell protects the
+    # freshly restarted server.
+    state = dataclasses.replace(
+        state,
+        applied_enabled=series.present,
+        applied_draft_length=None,
+        last_change_at=now,
+        low_acceptance_since=None,
+    )
+    return state, Event(EventKind.EXTERNAL_CHANGE, shown), None
+
+
 def _phase(state: ControllerState, override: OverrideMode, now: float) -> ControllerPhase:
     if override is not OverrideMode.AUTO:
         return ControllerPhase.OVERRIDE
@@ -245,10 +316,13 @@ def decide(
     override: OverrideMode,
     now: float,
     started_at: float | None = None,
+    series: SeriesRun | None = None,
 ) -> tuple[Decision, ControllerState]:
     """The tick's decision and the state after it (before the hook is called).
 
     ``started_at``: when this controller process started (the startup hold); None: no hold.
+    ``series``: what the metrics have said of SD (:func:`follow_series`) while the hook cannot
+    report the applied state; None: the caller does not follow the metrics.
     """
     events: list[Event] = []
     gamma = settings.draft_length
@@ -264,11 +338,15 @@ def decide(
 
     failure = usable(observation, settings)
     if (
-        isinstance(observation, Observation)
+        series is None  # (a caller that follows the metrics waits for them to agree)
+        and isinstance(observation, Observation)
         and state.applied_enabled is None
         and observation.sd_series_present is not None
     ):
         state = dataclasses.replace(state, applied_enabled=observation.sd_series_present)
+    state, external, contradicted = _follow_metrics(state, series, now)
+    if external is not None:
+        events.append(external)
     if failure is None and assessment is not None and isinstance(observation, Observation):
         state = _remember(state, observation, assessment, now)
 
@@ -277,6 +355,8 @@ def decide(
         want = override is OverrideMode.ON
         if state.pending is not None:
             return out(Action.NONE, Reason.PENDING, "override waits for the pending change", want, state)
+        if contradicted is not None:
+            return out(Action.NONE, Reason.APPLIED_UNKNOWN, f"override waits: {contradicted}", want, state)
         if state.applied_enabled == want:
             return out(Action.NONE, Reason.ALREADY_APPLIED, f"override {override.value} is applied", want, state)
         if state.retry_not_before is not None and now < state.retry_not_before:
@@ -297,6 +377,9 @@ def decide(
     if failure is not None or assessment is None:
         why = failure.reason.value if failure else "no assessment"
         return out(Action.NONE, Reason.OBSERVATION, why, state.applied_enabled, state)
+    if contradicted is not None:
+        # Acting on a state the metrics contradict would restart vLLM into what it already runs.
+        return out(Action.NONE, Reason.APPLIED_UNKNOWN, contradicted, state.applied_enabled, state)
     if state.applied_enabled is None:
         return out(Action.NONE, Reason.APPLIED_UNKNOWN, "hook and metrics do not say whether SD is on", None, state)
 
@@ -513,7 +596,12 @@ def safety_net(
     horizon = max(a.gain_horizon_s, settings.dwell_s)
     rate = a.arrival_rate_rps
     observed, off = obs.mean_e2e_latency_s, a.latency_off_s
-    harm = observed is not None and math.isfinite(off) and observed > settings.sd_harm_margin * off
+    harm = (
+        observed is not None
+        and math.isfinite(off)
+        and observed > settings.sd_harm_margin * off
+        and _little_consistent(obs, observed)
+    )
     harm_ticks = state.sd_harm_ticks + 1 if harm else 0
     waiting, last = obs.waiting, state.last_waiting
     growing = waiting is not None and last is not None and waiting > 0 and waiting > last
@@ -544,6 +632,20 @@ def safety_net(
         )
         return state, NetTrip(Reason.OBSERVED_SD_HARM, detail, stay, horizon)
     return state, None
+
+
+def _little_consistent(obs: Observation, latency_s: float) -> bool:
+    """Whether the requests in the server could carry ``latency_s`` at the observed arrival rate.
+
+    The latency is a window mean of vLLM's sum/count, which one glitch in the sum can make
+    absurd; running + waiting are gauges read independently of it. By Little's law a real mean
+    latency W at rate λ keeps about λ·W requests in the server, so far fewer than that means the
+    latency is not what the server is doing. Unknown running or waiting: no check.
+    """
+    if obs.running is None or obs.waiting is None or obs.arrival_rate_rps is None:
+        return True
+    in_server = obs.running + obs.waiting
+    return in_server + LITTLE_SLACK_REQUESTS >= LITTLE_MIN_FRACTION * obs.arrival_rate_rps * latency_s
 
 
 def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a: Assessment, now: float, out):

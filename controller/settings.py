@@ -77,7 +77,12 @@ class Settings(
 
     # allow_inf_nan=False: evaluation_interval_s=inf (or a NaN threshold) is a typo, not a setting.
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, allow_inf_nan=False, frozen=False
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        validate_default=True,
+        allow_inf_nan=False,
+        frozen=False,
+        coerce_numbers_to_str=True,  # `replica_id: 1` in YAML is the string an env var gives
     )
 
     def group(self, name: str) -> BaseModel:
@@ -136,18 +141,32 @@ class Settings(
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Settings from a YAML or JSON file (keys are field names, without the env prefix)."""
     p = Path(path)
+    kind = "JSON" if p.suffix == ".json" else "YAML"
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config file {p}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p}: not UTF-8 text (byte {exc.start})") from None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
+        data = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except yaml.YAMLError as exc:  # its own text spans lines (a snippet, a caret): one line here
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(
+            f"config file {p}: not valid YAML: {getattr(exc, 'problem', None) or 'unreadable'}{where}"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"config file {p}: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p}: top level must be a mapping of setting names to values")
+    odd = next((k for k in data if not isinstance(k, str)), None)
+    if odd is not None:
+        raise ConfigError(f"config file {p}: key {odd!r} is not a setting name")
     return data
 
 
@@ -156,7 +175,7 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
     values: dict[str, Any] = {}
     if config_file:
         values.update(read_config_file(config_file))
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    values.update(overrides)  # None included: --set NAME=null clears what the environment set
     try:
         settings = Settings(**values)
     except ValidationError as exc:

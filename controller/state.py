@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.admin_api import MAX_SPEC_TOKENS
+
 STATE_VERSION = 1
 
 
@@ -101,6 +103,8 @@ class ControllerState:
             elif name in ("applied_draft_length", "consecutive_failures", "sd_harm_ticks", "queue_growth_ticks"):
                 if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                     raise ValueError(f"{name} must be a non-negative integer")
+                if name == "applied_draft_length" and value is not None and value > MAX_SPEC_TOKENS:
+                    raise ValueError(f"applied_draft_length {value} is past {MAX_SPEC_TOKENS}")
                 values[name] = value
             else:
                 if value is not None and not _finite(value):

@@ -66,7 +66,12 @@ class FileStateStore:
         try:
             # Not UTF-8, nested beyond the parser's depth, wrong shape: all corrupt alike.
             return ControllerState.from_dict(json.loads(raw.decode("utf-8")))
-        except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        except (
+            ValueError,
+            TypeError,
+            RecursionError,
+            ArithmeticError,
+        ) as exc:  # JSONDecodeError, UnicodeDecodeError; a 400-digit integer overflows a float
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             try:
                 os.replace(self.path, aside)

@@ -20,13 +20,29 @@ def read_token(token_file: str | os.PathLike[str] | None, env_var: str, file_opt
     if token_file:
         path = Path(token_file)
         try:
-            token = path.read_text(encoding="utf-8").strip()
+            token = path.read_text(encoding="utf-8-sig").strip()  # an editor's byte-order mark is no part of it
         except OSError as exc:
             raise ConfigError(f"{file_option}: cannot read {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{file_option}: {path} is not UTF-8 text") from None
         if not token:
             raise ConfigError(f"{file_option}: {path} is empty")
+        _check_token(token, f"{file_option}: {path}")
         return token
-    return os.environ.get(env_var, "").strip() or None
+    token = os.environ.get(env_var, "").strip() or None
+    if token is not None:
+        _check_token(token, env_var)
+    return token
+
+
+def _check_token(token: str, where: str) -> None:
+    """ConfigError unless every character is one an HTTP header carries as it is (visible
+    ASCII): a line break or a non-ASCII one fails in the request, whose error would quote the
+    header, token and all. Names where it came from, never the value."""
+    if not all("!" <= ch <= "~" for ch in token):
+        raise ConfigError(
+            f"{where}: the token holds a space, a line break or a non-ASCII character (one token, one line)"
+        )
 
 
 ADMIN_TOKEN_ENV = "SD_LAUNCHER_ADMIN_TOKEN"

@@ -18,6 +18,7 @@ from controller.benchmark.csvio import bench_csv, load_csv, write_text_atomic
 from controller.benchmark.loadtest import MAX_DURATION_S, MAX_REQUESTS, LoadPlan, lognormal_workload, run_load
 from controller.benchmark.micro import DEFAULT_CHUNK_TOKENS, PHASES, TILE_PHASE_TOKENS, MicroPlan, run_micro
 from controller.benchmark.probe import ProbeError
+from controller.commands._common import finite_float
 from controller.errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, InputError
 
 WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -103,10 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=0, help="extra unrecorded iterations first (default 0)")
     parser.add_argument("--load-test", action="store_true", help="run the load test instead of the micro-benchmark")
     parser.add_argument("--rates", default="1,2,4,8", help="load test: arrival rates in requests/s (default 1,2,4,8)")
-    parser.add_argument("--duration-s", type=float, default=600.0, help="load test: seconds per rate (default 600)")
+    parser.add_argument(
+        "--duration-s", type=finite_float, default=600.0, help="load test: seconds per rate (default 600)"
+    )
     parser.add_argument(
         "--drain-s",
-        type=float,
+        type=finite_float,
         default=None,
         help="load test: seconds after the duration for the last requests (default: 10 %% of the duration, >= 30)",
     )
@@ -115,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--length-cv",
-        type=float,
+        type=finite_float,
         default=0.5,
         help="load test: coefficient of variation of the lognormal prompt/generated lengths (default 0.5)",
     )
@@ -140,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of further prompt lengths at which target/verify are repeated, so the KV-read cost"
         " separates from the per-sequence cost (e.g. 2048)",
     )
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (default 120)")
+    parser.add_argument("--timeout-s", type=finite_float, default=120.0, help="per-request timeout (default 120)")
     parser.add_argument("--api-key-env", help="env var holding vLLM's --api-key, if it has one")
     parser.add_argument(
         "--seed",

@@ -52,10 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise InputError(f"--warmup: {args.warmup} must be >= 0")
-    if args.max_num_seqs < 1:
-        raise InputError(f"--max-num-seqs: {args.max_num_seqs} must be >= 1")
-    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 16:
-        raise InputError(f"--max-num-batched-tokens: {args.max_num_batched_tokens} must be >= 16")
+    if not 1 <= args.max_num_seqs <= 65536:
+        raise InputError(f"--max-num-seqs: {args.max_num_seqs} must be within [1, 65536]")
+    if args.max_num_batched_tokens is not None and not 16 <= args.max_num_batched_tokens <= 1_048_576:
+        raise InputError(f"--max-num-batched-tokens: {args.max_num_batched_tokens} must be within [16, 1048576]")
+    for source in (*args.bench_csv, *([args.load_test] if args.load_test else [])):
+        if args.output.exists() and source.exists() and args.output.samefile(source):
+            raise InputError(f"-o {args.output}: is an input ({source}); name another file")
     if (args.moe_experts is None) != (args.moe_top_k is None):
         raise InputError("--moe-experts and --moe-top-k go together")
     if args.correct_with_load_test and not args.load_test:

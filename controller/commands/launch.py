@@ -12,6 +12,7 @@ from pathlib import Path
 
 import structlog
 
+from controller.commands._common import finite_float
 from controller.errors import EXIT_RUNTIME, EXIT_USAGE, ConfigError, InputError
 from controller.launcher.admin import AdminServer
 from controller.launcher.profile import parse_profile, shutdown_timeout_s, vllm_url
@@ -49,13 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-url", help="base URL to probe (default: from --host/--port of the vLLM line)")
     parser.add_argument(
         "--drain-s",
-        type=float,
+        type=finite_float,
         default=30.0,
         help="grace after SIGTERM before SIGKILL, unless the vLLM line sets --shutdown-timeout (default 30)",
     )
     parser.add_argument(
         "--ready-timeout-s",
-        type=float,
+        type=finite_float,
         default=600.0,
         help="a start not ready (/health and /metrics 200) within this is rolled back (default 600)",
     )
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--crash-backoff-s",
-        type=float,
+        type=finite_float,
         default=1.0,
         help="first crash-restart delay, doubled each attempt up to 60 s (default 1)",
     )
@@ -138,8 +139,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
 
+    signals: list[str] = []
+
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("launcher_signal", signal=signal.Signals(signum).name)
+        # No logging here: the signal may land inside a log write on this thread, whose lock
+        # the handler would then wait on forever. Logged once the main loop sees it.
+        signals.append(signal.Signals(signum).name)
         supervisor.shutdown()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -159,8 +164,12 @@ def run(args: argparse.Namespace) -> int:
     worker = threading.Thread(target=lambda: result.update(code=supervisor.run()), name="supervisor")
     worker.start()
     # join() with a timeout keeps the main thread responsive to signals.
+    logged = 0
     while worker.is_alive():
         worker.join(0.5)
+        for name in signals[logged:]:
+            log.info("launcher_signal", signal=name)
+        logged = len(signals)
     server.stop()
     code = result.get("code", EXIT_RUNTIME)
     log.info("launcher_exit", exit_status=code)

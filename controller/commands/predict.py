@@ -13,7 +13,15 @@ from rich.table import Table
 
 from controller import calibration as cal_mod
 from controller.acceptance import alpha_from_vllm_rate, vllm_rate_from_alpha
-from controller.commands._common import exits_on_input_error, finite_or_none, float_list, int_list
+from controller.commands._common import (
+    check_plot_path,
+    exits_on_input_error,
+    finite_float,
+    finite_or_none,
+    float_list,
+    int_list,
+    save_plot,
+)
 from controller.errors import EXIT_OK, InputError
 from controller.model import (
     DEFAULT_DRAFT_LENGTHS,
@@ -35,22 +43,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     acc = p.add_mutually_exclusive_group()
     acc.add_argument(
         "--acceptance-rate",
-        type=float,
+        type=finite_float,
         default=0.6,
         help="vLLM's acceptance rate (accepted/drafted tokens), default %(default)s",
     )
-    acc.add_argument("--alpha", type=float, help="per-token acceptance α instead of vLLM's rate")
+    acc.add_argument("--alpha", type=finite_float, help="per-token acceptance α instead of vLLM's rate")
     p.add_argument(
         "--measured-draft-length",
         type=int,
         default=4,
         help="draft length the acceptance rate was measured at (default %(default)s)",
     )
-    p.add_argument("--prompt-tokens", type=float, default=512, help="mean prompt tokens (default %(default)s)")
-    p.add_argument("--gen-tokens", type=float, default=256, help="mean generated tokens (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=finite_float, default=512, help="mean prompt tokens (default %(default)s)")
+    p.add_argument("--gen-tokens", type=finite_float, default=256, help="mean generated tokens (default %(default)s)")
     p.add_argument(
         "--cached-prompt-tokens",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="prompt tokens per request served from vLLM's prefix cache, e.g. a shared system prompt "
         "(vllm:prompt_tokens_cached_total / requests; default %(default)s)",
@@ -75,11 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gen-tokens-std",
-        type=float,
+        type=finite_float,
         help="standard deviation of generated tokens (default: equal to the mean, geometric lengths)",
     )
     p.add_argument("--max-num-seqs", type=int, help="override the calibration's max_num_seqs")
-    p.add_argument("--plot", type=Path, help="write speedup-vs-rate curves (PNG)")
+    p.add_argument("--plot", type=Path, help="write speedup-vs-rate curves (an image: .png, .svg, .pdf, …)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of tables")
 
 
@@ -97,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--max-num-seqs must be >= 1")
     if not 0 <= args.cached_prompt_tokens <= args.prompt_tokens:
         raise InputError(f"--cached-prompt-tokens: {args.cached_prompt_tokens:g} must be within [0, --prompt-tokens]")
+    check_plot_path("--plot", args.plot)
     path = calibration_path(args.calibration)
     cal = cal_mod.load(path)
     model = cal.latency_model(args.max_num_seqs)
@@ -108,10 +117,13 @@ def run(args: argparse.Namespace) -> int:
         alpha = float(alpha_from_vllm_rate(rate, args.measured_draft_length))
     if args.gen_tokens_std is not None and args.gen_tokens_std < 0:
         raise InputError("--gen-tokens-std must be >= 0")
-    workload = Workload(
-        args.prompt_tokens, args.gen_tokens, args.gen_tokens_std, cached_prompt_tokens=args.cached_prompt_tokens
-    )
-    report = build_report(model, alpha, workload, args.rates, args.draft_lengths, args.candidates)
+    try:
+        workload = Workload(
+            args.prompt_tokens, args.gen_tokens, args.gen_tokens_std, cached_prompt_tokens=args.cached_prompt_tokens
+        )
+        report = build_report(model, alpha, workload, args.rates, args.draft_lengths, args.candidates)
+    except (ValueError, ArithmeticError) as exc:  # lengths far past any server's (1e300 tokens)
+        raise InputError(f"the model cannot price this workload: {exc}") from None
     report["calibration"] = {"path": str(path), "example": cal.example}
     report["inputs"] = {
         "acceptance_rate": rate,
@@ -259,5 +271,5 @@ def plot_speedup(
     ax.set_ylim(bottom=0)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, 110)
     plt.close(fig)

@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """--set NAME=VALUE, then --calibration (which, as its help says, beats calibration_file)."""
+    sets = _parse_sets(args.set)
+    return sets | {"calibration_file": args.calibration} if args.calibration is not None else sets
+
+
 def _parse_sets(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
@@ -82,7 +88,7 @@ def check_model(model: LatencyModel, s: Settings, where: object) -> None:
 
 def build(args: argparse.Namespace, settings: Settings | None = None, clock=time.time) -> Controller:
     """Everything ``run`` needs, from args and environment; ConfigError names the setting."""
-    s = settings or load_settings(args.config, **({"calibration_file": args.calibration} | _parse_sets(args.set)))
+    s = settings or load_settings(args.config, **_overrides(args))
     if not s.calibration_file:
         raise ConfigError("setting calibration_file: required (a file from sd-controller calibrate)")
     path = calibration_path(s.calibration_file)
@@ -94,6 +100,13 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         raise ConfigError(f"setting calibration_file: {path}: not UTF-8 text") from None
     except RecursionError:
         raise ConfigError(f"setting calibration_file: {path}: JSON nested too deeply") from None
+    model = cal.latency_model(s.max_num_seqs)
+    check_model(model, s, path)
+    # Every check that can refuse the start comes before the first file is touched (the state
+    # file written, a corrupt one set aside): a refused start changes nothing.
+    source = build_source(s, model)
+    gate = build_gate(s)
+    build_hook(s.hook, None)  # its token and CA bundle; built again below with the state's word
     store = FileStateStore(s.state_file)
     try:
         s.state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -104,12 +117,10 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         store.save(state)  # a read-only state directory fails here, not on every tick
     except OSError as exc:
         raise ConfigError(f"setting state_file: cannot write {s.state_file}: {exc.strerror or exc}") from None
-    model = cal.latency_model(s.max_num_seqs)
-    check_model(model, s, path)
     controller = Controller(
         settings=s,
         model=model,
-        source=build_source(s, model),
+        source=source,
         hook=build_hook(s.hook, state.applied_enabled),
         clock=clock,
         state_store=store,
@@ -118,7 +129,7 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         notify=WebhookNotifier(s.webhook_url),
         state=state,
         learner=Learner.from_settings(s, model),
-        gate=build_gate(s),
+        gate=gate,
     )
     if cal.example:  # after every check, so a config error stays the only line on stderr
         log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
@@ -127,7 +138,7 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(args.config, **({"calibration_file": args.calibration} | _parse_sets(args.set)))
+        settings = load_settings(args.config, **_overrides(args))
         configure_logs(settings.log_format, settings.log_level)
         controller = build(args, settings)
     except (ConfigError, InputError) as exc:
@@ -170,9 +181,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     stop = threading.Event()
+    signals: list[str] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("shutdown_requested", signal=signal.Signals(signum).name)
+        # No logging here: the signal may land inside a log write on this thread, whose lock
+        # the handler would then wait on forever. The loop logs it once it has stopped.
+        signals.append(signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -189,5 +203,7 @@ def run(args: argparse.Namespace) -> int:
         ticks = run_loop(controller, stop, settings.evaluation_interval_s)
     finally:
         server.stop()
+    if signals:
+        log.info("shutdown_requested", signal=signals[0])
     log.info("stopped", ticks=ticks)
     return EXIT_OK

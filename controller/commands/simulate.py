@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from controller.commands._common import exits_on_input_error
+from controller.commands._common import exits_on_input_error, finite_float
 from controller.errors import EXIT_OK, ConfigError
 from controller.shipped import EXAMPLE_CALIBRATION, calibration_path
 from controller.tokens import ADMIN_TOKEN_ENV, read_admin_token
@@ -26,10 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port of /metrics and /health (default 8000)")
     parser.add_argument("--admin-port", type=int, default=8091, help="port of the admin API (default 8091)")
-    parser.add_argument("--speed", type=float, default=60.0, help="scenario seconds per wall second (default 60)")
+    parser.add_argument(
+        "--speed", type=finite_float, default=60.0, help="scenario seconds per wall second (default 60)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: the scenario's)")
     parser.add_argument("--model-name", default="sim", help="model_name label on the metrics (default sim)")
-    parser.add_argument("--restart-s", type=float, default=None, help="override the restart downtime, seconds")
+    parser.add_argument("--restart-s", type=finite_float, default=None, help="override the restart downtime, seconds")
     parser.add_argument(
         "--admin-token-file", default=None, help=f"file holding the admin bearer token (else env {ADMIN_TOKEN_ENV})"
     )
@@ -37,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--insecure-no-token", action="store_true", help="serve the admin API without a token (loopback only)"
     )
     parser.add_argument(
-        "--duration-s", type=float, default=None, help="stop after this many wall seconds (default: run until stopped)"
+        "--duration-s",
+        type=finite_float,
+        default=None,
+        help="stop after this many wall seconds (default: run until stopped)",
     )
     parser.add_argument(
         "--replicas",
@@ -60,6 +65,11 @@ def build(args: argparse.Namespace):
 
     if args.speed <= 0:
         raise ConfigError("--speed must be > 0")
+    if args.duration_s is not None and args.duration_s <= 0:
+        raise ConfigError("--duration-s must be > 0")
+    for name in ("port", "admin_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535")
     scenario = scenarios.load(args.scenario)
     if args.seed is not None:
         scenario = scenario.with_changes(seed=args.seed)

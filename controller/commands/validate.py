@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from controller import calibration as cal_mod
-from controller.commands._common import exits_on_input_error, finite_or_none
+from controller.commands._common import check_plot_path, exits_on_input_error, finite_or_none, save_plot
 from controller.errors import EXIT_OK
 from controller.shipped import calibration_path
 from controller.validation import INTERVAL_COVERAGE, ValidationReport, validate
@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         + "; the runs of one mode at one rate (e.g. the same test on other --seed) are pooled",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
-    p.add_argument("--plot", type=Path, help="write predicted vs measured latency per mode (PNG)")
+    p.add_argument(
+        "--plot", type=Path, help="write predicted vs measured latency per mode (an image: .png, .svg, .pdf, …)"
+    )
 
 
 def to_dict(report: ValidationReport, sources: Sequence[str] | None = None) -> dict[str, Any]:
@@ -296,12 +298,13 @@ def plot(report: ValidationReport, path: Path) -> None:
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, 110)
     plt.close(fig)
 
 
 @exits_on_input_error
 def run(args: argparse.Namespace) -> int:
+    check_plot_path("--plot", args.plot)
     cal = cal_mod.load(calibration_path(args.calibration))
     rows, sources = [], []
     for path in args.load_csv:

@@ -17,6 +17,7 @@ from controller.coordination.gate import RestartGate
 from controller.coordination.none import NoCoordinator
 from controller.errors import ConfigError
 from controller.fleet import FleetRouting
+from controller.hooks.http import redact_url
 
 log = structlog.get_logger("sd_controller")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -73,7 +74,7 @@ class CoordinationSettings(BaseModel):
             try:
                 http_url(url)
             except ValueError as exc:
-                raise ValueError(f"{url!r}: {exc}") from None
+                raise ValueError(f"{redact_url(url)!r}: {exc}") from None
         return v
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Sequence
+from typing import IO
 
 import structlog
 
@@ -65,6 +66,8 @@ class ExecHook:
                 error = f"exit code {returncode}: {tail[0][:200]}"
         except OSError as exc:
             error = f"cannot run {self.argv[0]}: {exc.strerror or exc}"
+        except Exception as exc:  # the phase must settle, whatever broke
+            error = f"hook failed: {type(exc).__name__}"
         with self._lock:
             if error is None:
                 self._applied_enabled = change.enabled
@@ -94,32 +97,53 @@ class ExecHook:
             )
 
 
+# What is kept of a hook's output: its last line makes the error message, and a script that
+# prints a build log must not hold it all in the sidecar's memory.
+OUTPUT_TAIL_BYTES = 64 * 1024
+
+
+def _drain(stream: IO[bytes], tail: list[bytes]) -> None:
+    """Read ``stream`` to its end, keeping the last OUTPUT_TAIL_BYTES (as ``tail[0]``)."""
+    kept = bytearray()
+    with contextlib.suppress(OSError, ValueError):  # closed under us after a kill
+        while chunk := stream.read1(65536):  # type: ignore[attr-defined]
+            kept += chunk
+            del kept[:-OUTPUT_TAIL_BYTES]
+    tail.append(bytes(kept))
+
+
 def run_in_group(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
-    """Run ``argv`` in a session of its own; (exit code or None on timeout, stdout, stderr).
+    """Run ``argv`` in a session of its own; (exit code or None on timeout, stdout, stderr), each
+    output its last OUTPUT_TAIL_BYTES, decoded leniently (a script's bytes need not be UTF-8).
 
     On timeout the whole process group is killed: a restart script's children (a ``kubectl``,
     a ``sleep``) would otherwise live on and hold the output pipes open, so that even reading
     what the script printed would never end.
     """
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    tails: tuple[list[bytes], list[bytes]] = ([], [])
+    readers = [
+        threading.Thread(target=_drain, args=(stream, tail), name="sd-exec-hook-output", daemon=True)
+        for stream, tail in zip((proc.stdout, proc.stderr), tails, strict=True)
+    ]
+    for reader in readers:
+        reader.start()
+    code: int | None
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out, err
+        code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            out, err = proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:  # a child that left the group still holds a pipe
-            proc.kill()
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-            proc.wait(timeout=5)
-            out, err = "", ""
-        return None, out or "", err or ""
+        proc.wait(timeout=5)
+        code = None
+    for reader in readers:
+        reader.join(timeout=5)  # a child that left the group may still hold a pipe: not waited for
+    out, err = (tail[0].decode("utf-8", errors="replace") if tail else "" for tail in tails)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+    return code, out, err
 
 
 class NoHook:

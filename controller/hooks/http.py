@@ -2,7 +2,8 @@
 
 Bearer token from a file or an env var (never logged, never in an error message), TLS
 verification on by default, per-call timeouts, tenacity retries on connection errors and 5xx
-only (a 4xx is an answer, not a glitch). The ``launcher`` hook is this one pointed at
+only (a 4xx is an answer, not a glitch); a change is not retried after a read timeout (the
+server may be restarting on it). The ``launcher`` hook is this one pointed at
 ``sd-controller launch``'s admin API.
 """
 
@@ -12,21 +13,29 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
+from pydantic import ValidationError
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from controller import deadline
 from controller.admin_api import AdminStatus
+from controller.errors import validation_error_line
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
 
 
 def redact_url(url: str) -> str:
-    """URL without user:password@ (safe for logs and errors)."""
-    parts = urlsplit(url)
+    """URL without user:password@ and without its query (a trigger URL's ``?token=``): safe for
+    logs and errors. A query shows as ``?…``."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # not a URL one can read: nothing of it is safe to show
+        return "(unreadable URL)"
+    netloc = parts.netloc
     if parts.username or parts.password:
         host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-    return url
+        host = f"[{host}]" if ":" in host else host  # an IPv6 literal keeps its brackets
+        netloc = f"{host}:{port}" if port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "…" if parts.query else "", ""))
 
 
 class _Retryable(Exception):
@@ -39,6 +48,17 @@ class _Retryable(Exception):
 
 def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, requests.ConnectionError | requests.Timeout | _Retryable)
+
+
+def _retryable_post(exc: BaseException) -> bool:
+    """A change is retried only where it cannot have reached the server: a connection that
+    failed or timed out before it was made, or a 5xx. A read timeout may be a server that is
+    restarting on it: a retry would restart it again."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return True
+    if isinstance(exc, requests.Timeout):  # a read timeout, or the whole call's deadline
+        return False
+    return isinstance(exc, requests.ConnectionError | _Retryable)
 
 
 class HttpHook:
@@ -66,12 +86,15 @@ class HttpHook:
         self.verify = verify
         self._session = deadline.session(session)
         self._timed_out = False  # an attempt of the current request timed out
-        self._send = retry(
-            retry=retry_if_exception(_retryable),
-            stop=stop_after_attempt(retries + 1),
-            wait=wait_exponential(multiplier=0.5, max=5),
-            reraise=True,
-        )(self._send_once)
+        self._send, self._post = (
+            retry(
+                retry=retry_if_exception(when),
+                stop=stop_after_attempt(retries + 1),
+                wait=wait_exponential(multiplier=0.5, max=5),
+                reraise=True,
+            )(self._send_once)
+            for when in (_retryable, _retryable_post)
+        )
 
     def __repr__(self) -> str:  # never show the token
         return f"HttpHook(url={redact_url(self.url)!r}, status_url={self.status_url and redact_url(self.status_url)!r})"
@@ -108,13 +131,17 @@ class HttpHook:
         where = redact_url(self.url)
         self._timed_out = False
         try:
-            resp = self._send("POST", self.url, body)
+            resp = self._post("POST", self.url, body)
         except _Retryable as exc:
             raise HookError(f"{where}: HTTP {exc.status} after retries", uncertain=self._timed_out) from None
         except requests.Timeout:
             raise HookError(f"{where}: timed out after {self.timeout_s}s", uncertain=True) from None
         except requests.ConnectionError as exc:
             raise HookError(f"{where}: connection failed ({type(exc).__name__})", uncertain=self._timed_out) from None
+        except (requests.RequestException, ValueError, OSError) as exc:
+            # Before any byte was sent (a header it cannot encode, a CA bundle it cannot read):
+            # the type alone, as the message may quote a header, the token with it.
+            raise HookError(f"{where}: request not sent ({type(exc).__name__})", uncertain=self._timed_out) from None
         # An earlier attempt that timed out may have been carried out (a 409 "restart in
         # progress" on the retry says so): whatever the last answer, the outcome is uncertain.
         if resp.status_code == 401 or resp.status_code == 403:
@@ -127,14 +154,15 @@ class HttpHook:
             return HookStatus(HookPhase.UNKNOWN)
         try:
             resp = self._send("GET", self.status_url, None)
-        except (_Retryable, requests.RequestException) as exc:
+        except (_Retryable, requests.RequestException, ValueError, OSError) as exc:
             return HookStatus(HookPhase.UNKNOWN, last_error=f"{redact_url(self.status_url)}: {type(exc).__name__}")
         if resp.status_code != 200:
             return HookStatus(HookPhase.UNKNOWN, last_error=f"{redact_url(self.status_url)}: HTTP {resp.status_code}")
         try:
             return parse_status(resp.json())
-        except (ValueError, TypeError, KeyError) as exc:
-            return HookStatus(HookPhase.UNKNOWN, last_error=f"{redact_url(self.status_url)}: bad status body ({exc})")
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            why = validation_error_line("status", exc) if isinstance(exc, ValidationError) else str(exc)
+            return HookStatus(HookPhase.UNKNOWN, last_error=f"{redact_url(self.status_url)}: bad status body ({why})")
 
 
 def parse_status(body: Any) -> HookStatus:

@@ -14,6 +14,7 @@ from typing import Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from controller.config import GROUP_CONFIG, http_url
+from controller.errors import ConfigError
 from controller.hooks.base import Hook
 from controller.hooks.exec import ExecHook, NoHook
 from controller.hooks.http import HttpHook, launcher_hook
@@ -80,6 +81,9 @@ def build_hook(s: HookSettings, applied_enabled: bool | None) -> Hook:
     if s.hook_type is HookType.EXEC:
         return ExecHook(s.hook_exec_argv, s.hook_exec_timeout_s, initial_enabled=applied_enabled)
     token = read_token(s.hook_token_file, s.hook_token_env, "setting hook_token_file")
+    if s.hook_ca_bundle is not None and not s.hook_ca_bundle.is_file():
+        # Found missing at startup, not at the first switch, days later.
+        raise ConfigError(f"setting hook_ca_bundle: {s.hook_ca_bundle} is not a readable file")
     verify: bool | str = str(s.hook_ca_bundle) if s.hook_ca_bundle else s.hook_tls_verify
     kw = {"timeout_s": s.hook_timeout_s, "retries": s.hook_retries, "verify": verify}
     assert s.hook_url

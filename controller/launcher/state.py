@@ -126,11 +126,18 @@ def load_state(path: str | os.PathLike[str]) -> SdConfig | None:
         raw = target.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"--state-file {target}: cannot read: {exc.strerror or exc}") from None
     try:
         return _config_from_json(json.loads(raw.decode("utf-8")))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         aside = target.with_name(target.name + ".corrupt")
-        os.replace(target, aside)
+        try:
+            os.replace(target, aside)
+        except OSError as move:
+            raise ConfigError(
+                f"--state-file {target}: corrupt, and cannot be set aside: {move.strerror or move}"
+            ) from None
         log.warning("state_file_corrupt", path=str(target), moved_to=str(aside), error=str(exc))
         return None
 
