@@ -1276,7 +1276,14 @@ def fit_phases(
     """Fit the target and draft passes; prefill (or mixed), target and verify rows are required."""
     kept, over_budget = drop_over_budget(drop_warmup(rows, warmup, where), budget)
     kept, dropped = drop_over_kv(kept)
-    target = fit_target(kept, budget, moe, where)
+    try:
+        target = fit_target(kept, budget, moe, where)
+    except InputError as exc:
+        if not dropped:
+            raise
+        # The rows it lacks were dropped for the KV cache's sake: its row is what to look at.
+        caps = ", ".join(f"{r.source}:{r.line} ({r.context_len:g} tokens)" for r in rows if r.phase == "kv_cache")
+        raise InputError(f"{exc}; {dropped} row(s) were dropped as past the KV cache of {caps}: is it right?") from None
     if dropped:
         target = _noted(
             target, f"{dropped} row(s) dropped: their batch's KV context exceeds the server's KV cache (vLLM preempts)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 
 class InputError(ValueError):
     """Bad user input (config, CSV, calibration file, HTTP body). ``str()`` is one line.
@@ -29,3 +31,15 @@ def validation_error_line(where: str, exc: Exception) -> str:
 # Exit codes of every command: 2 for bad usage or config (an InputError), 1 for a failure at
 # run time (a server that went away, a child that could not be kept up).
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for an error or a log: without ``user:password@`` and without its query (a
+    trigger URL's ``?token=``), which shows as ``?…``. Whatever cannot be read as a URL shows
+    as nothing of itself."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(unreadable URL)"
+    query = "…" if parts.query else ""
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, query, ""))

@@ -207,7 +207,9 @@ def unknown_env(environ: Mapping[str, str], settings: Settings) -> list[str]:
 def describe_validation_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     loc = ".".join(str(x) for x in err["loc"])
-    name = f"setting {loc} ({ENV_PREFIX}{loc.upper()})" if loc else "settings"
+    # A nested field (queries.arrival_rate) lives in its setting's variable (SD_CONTROLLER_QUERIES).
+    env = f"{ENV_PREFIX}{str(err['loc'][0]).upper()}" if err["loc"] else ""
+    name = f"setting {loc} ({env})" if loc else "settings"
     msg = err["msg"].removeprefix("Value error, ")
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return f"{name}: {msg}{more}"

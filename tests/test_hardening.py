@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 
 from controller import calibration as cal_mod
-from controller.errors import ConfigError, InputError
+from controller.errors import ConfigError, InputError, redact_url
 from controller.evidence import FileEvidenceStore
 from controller.hooks.base import ChangeRequest, HookError, HookPhase
 from controller.hooks.exec import OUTPUT_TAIL_BYTES, ExecHook, run_in_group
-from controller.hooks.http import HttpHook, parse_status, redact_url
+from controller.hooks.http import HttpHook, parse_status
 from controller.launcher.state import load_state
 from controller.model import Workload, best_draft_length, predict_point, speedup_point
 from controller.settings import load_settings, read_config_file
 from controller.shipped import example_calibration_path
 from controller.state_store import FileStateStore
 from controller.tokens import read_token
+from tests.support import LEGACY_CALIBRATION
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,7 +360,7 @@ def test_a_status_the_controller_would_misprice_is_unreadable(body):
 def test_urls_are_shown_without_credentials_or_query():
     assert redact_url("http://u:pw@h:8/x?token=S3CRET") == "http://h:8/x?…"
     assert redact_url("http://u:pw@[::1]:80/a") == "http://[::1]:80/a"
-    assert redact_url("http://h:99999/") == "(unreadable URL)"
+    assert redact_url("http://[::1/x") == "(unreadable URL)"
 
 
 # ---- the exec hook's output ------------------------------------------------------------------
@@ -442,7 +443,6 @@ def test_sigterm_while_a_log_write_blocks_still_stops_the_daemon(tmp_path):
     import signal
     import socket
 
-    from tests.support import LEGACY_CALIBRATION
     from tests.support.fake_vllm import FakeVllmServer
 
     with socket.socket() as s:
@@ -487,3 +487,37 @@ def test_sigterm_while_a_log_write_blocks_still_stops_the_daemon(tmp_path):
                 proc.wait()
         wait_until(lambda: b'"stopped"' in b"".join(got), 5, "the last log line")
         assert b'"shutdown_requested"' in b"".join(got)
+
+
+def test_an_exporter_host_that_does_not_resolve_names_the_host(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SD_CONTROLLER_")}
+    env |= {
+        "SD_CONTROLLER_CALIBRATION_FILE": LEGACY_CALIBRATION,  # the example's warning is a log line of its own
+        "SD_CONTROLLER_EXPORTER_HOST": "nosuchhost.invalid",
+        "SD_CONTROLLER_STATE_FILE": str(tmp_path / "state.json"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert one_line_error(proc).startswith("sd-controller run: error: setting exporter_host: cannot listen on")
+
+
+def test_rows_dropped_for_a_wrong_kv_cache_row_name_that_row(tmp_path):
+    path = mutated(
+        tmp_path,
+        "g0.csv",
+        lambda ls: [
+            ",".join(c if i != 3 else "1" for i, c in enumerate(line.split(",")))
+            if line.startswith("kv_cache")
+            else line
+            for line in ls
+        ],
+    )
+    rows, _ = cal_mod.read_bench_csv(path)
+    with pytest.raises(InputError, match=r"row\(s\) were dropped as past the KV cache of .*g0\.csv:\d+ \(1 tokens\)"):
+        cal_mod.fit_phases(rows, warmup=0)

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import signal
+import socket
 import sys
 import threading
 import time
@@ -86,8 +87,13 @@ def check_model(model: LatencyModel, s: Settings, where: object) -> None:
         )
 
 
-def build(args: argparse.Namespace, settings: Settings | None = None, clock=time.time) -> Controller:
-    """Everything ``run`` needs, from args and environment; ConfigError names the setting."""
+def build(
+    args: argparse.Namespace, settings: Settings | None = None, clock=time.time, warn_example: bool = True
+) -> Controller:
+    """Everything ``run`` needs, from args and environment; ConfigError names the setting.
+
+    ``warn_example``: log that the calibration is the shipped example (``run`` does it itself,
+    once the exporter listens: its port is the last check that can refuse the start)."""
     s = settings or load_settings(args.config, **_overrides(args))
     if not s.calibration_file:
         raise ConfigError("setting calibration_file: required (a file from sd-controller calibrate)")
@@ -131,7 +137,7 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         learner=Learner.from_settings(s, model),
         gate=gate,
     )
-    if cal.example:  # after every check, so a config error stays the only line on stderr
+    if cal.example and warn_example:  # after every check, so a config error stays the only line on stderr
         log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
     return controller
 
@@ -140,11 +146,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, **_overrides(args))
         configure_logs(settings.log_format, settings.log_level)
-        controller = build(args, settings)
+        controller = build(args, settings, warn_example=False)
     except (ConfigError, InputError) as exc:
         print(f"sd-controller run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+
+    def warn_example() -> None:
+        if cal_mod.load(calibration_path(settings.calibration_file)).example:
+            log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
+
     if args.once:
+        warn_example()
         if isinstance(controller.source, VllmMetricsSource):
             # A rate needs two scrapes: take the first now, the tick's a rate window later.
             print(
@@ -174,12 +186,16 @@ def run(args: argparse.Namespace) -> int:
         server = MetricsServer(
             controller.registry, settings.exporter_host, settings.exporter_port, controller.healthy
         ).start()
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a host name IDNA cannot encode
+        # A name that does not resolve is the host's fault; a port in use (or refused) the port's.
+        which = "exporter_host" if isinstance(exc, socket.gaierror | UnicodeError) else "exporter_port"
         print(
-            f"sd-controller run: error: setting exporter_port: cannot listen on {settings.exporter_host}:{settings.exporter_port}: {exc.strerror}",
+            f"sd-controller run: error: setting {which}: cannot listen on {settings.exporter_host}:{settings.exporter_port}:"
+            f" {getattr(exc, 'strerror', None) or type(exc).__name__}",
             file=sys.stderr,
         )
         return EXIT_USAGE
+    warn_example()
     stop = threading.Event()
     signals: list[str] = []
 

@@ -15,9 +15,8 @@ from controller.config import GROUP_CONFIG, http_url
 from controller.coordination.base import CoordinationError, Coordinator
 from controller.coordination.gate import RestartGate
 from controller.coordination.none import NoCoordinator
-from controller.errors import ConfigError
+from controller.errors import ConfigError, redact_url
 from controller.fleet import FleetRouting
-from controller.hooks.http import redact_url
 
 log = structlog.get_logger("sd_controller")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

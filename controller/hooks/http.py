@@ -10,7 +10,6 @@ server may be restarting on it). The ``launcher`` hook is this one pointed at
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import requests
 from pydantic import ValidationError
@@ -18,24 +17,8 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from controller import deadline
 from controller.admin_api import AdminStatus
-from controller.errors import validation_error_line
+from controller.errors import redact_url, validation_error_line
 from controller.hooks.base import ChangeRequest, HookError, HookPhase, HookStatus
-
-
-def redact_url(url: str) -> str:
-    """URL without user:password@ and without its query (a trigger URL's ``?token=``): safe for
-    logs and errors. A query shows as ``?…``."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:  # not a URL one can read: nothing of it is safe to show
-        return "(unreadable URL)"
-    netloc = parts.netloc
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        host = f"[{host}]" if ":" in host else host  # an IPv6 literal keeps its brackets
-        netloc = f"{host}:{port}" if port else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "…" if parts.query else "", ""))
 
 
 class _Retryable(Exception):

@@ -20,6 +20,9 @@ from controller.occupancy import running_context_tokens
 USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
 PROMPT_CACHED = "vllm:prompt_tokens_cached"
+# Far past any GPU's KV cache (a trillion tokens): a capacity above it is a garbled label, and
+# its product with the usage would overflow what the model computes.
+MAX_KV_CACHE_TOKENS = 1e12
 
 
 @dataclass(frozen=True)
@@ -31,13 +34,14 @@ class CacheCapacity:
 
 
 def cache_capacity(labels: Mapping[str, str]) -> CacheCapacity | None:
-    """``num_gpu_blocks`` × ``block_size``; None when a label is absent or not a positive integer
-    (vLLM writes ``"None"`` for what it has not decided)."""
+    """``num_gpu_blocks`` × ``block_size``; None when a label is absent, not a positive integer
+    (vLLM writes ``"None"`` for what it has not decided), or the product is past
+    :data:`MAX_KV_CACHE_TOKENS`."""
     try:
         blocks, block_size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, TypeError):
         return None
-    if blocks <= 0 or block_size <= 0:
+    if blocks <= 0 or block_size <= 0 or blocks * block_size > MAX_KV_CACHE_TOKENS:
         return None
     return CacheCapacity(float(blocks * block_size), block_size)
 

@@ -7,10 +7,15 @@ the arrival rate is a failure with a name; for acceptance it only means SD is of
 nothing), which the assessment handles with the last measured value.
 
 Values that cannot be true are held with reason ``implausible``, never clamped into numbers: an
-arrival rate below what queue-draining estimates can produce (``deriv`` of the queues may dip
-under zero by at most 1.5 × max_num_seqs / window when the queue empties mid-window), or above
-``max_rate_rps``; more running requests than ``max_num_seqs`` per engine; a ``position`` label
-that is not an integer.
+arrival rate (short, long or peak) below what queue-draining estimates can produce (``deriv`` of
+the queues may dip under zero by at most 1.5 × max_num_seqs / window when the queue empties
+mid-window), or above ``max_rate_rps``; more running requests than ``max_num_seqs`` per engine;
+a ``position`` label that is not an integer; an acceptance above 1 (beyond rounding); a negative
+mean, queue or latency, a mean length past ``MAX_TOKENS_PER_REQUEST`` or a mean latency past
+``MAX_E2E_LATENCY_S`` (no query says the server's uptime); ±Inf where a ratio's denominator did
+not move. NaN (0/0: nothing to measure) stays "not measured". An answer that is not an instant
+vector of labelled values (an element that is a list or null, JSON nested past the parser, a
+body past ``MAX_BODY_BYTES``) is a parse error; errors show the URL without its credentials.
 
 The running batch's KV context is optional: its queries failing, matching nothing, or answering
 nonsense (a usage outside [0, 1]) leave ``running_context_tokens`` None, never fail the tick.
@@ -26,9 +31,18 @@ import requests
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from controller import deadline
+from controller.errors import redact_url
 from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
-from controller.sources.base import TRANSIENT_HTTP_ERRORS
+from controller.sources.base import (
+    MAX_TOKENS_PER_REQUEST,
+    TRANSIENT_HTTP_ERRORS,
+    BodyTooLarge,
+    capped_body,
+    observation_limits,
+    out_of_range,
+    probability,
+)
 from controller.sources.kv_context import (
     CacheCapacity,
     all_prefix_caching,
@@ -146,7 +160,9 @@ class PrometheusSource:
         max_rate_rps: float | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self._shown_url = redact_url(self.url)  # for errors: no credentials
         self.rate_window_s = rate_window_s
+        self.long_window_s = long_window_s
         self.max_num_seqs = max_num_seqs
         self.max_rate_rps = max_rate_rps
         self.queries = render_queries(selector, rate_window_s, acceptance_window_s, long_window_s, queries)
@@ -169,25 +185,30 @@ class PrometheusSource:
             budget = min(budget, self._observe_deadline - time.monotonic())
             if budget <= 0:
                 raise deadline.DeadlineExceeded(f"observe took over {OBSERVE_BUDGET_TIMEOUTS} × {self.timeout_s:g}s")
-        return deadline.request(self._session, "GET", f"{self.url}/api/v1/query", budget, params=params)
+        url = f"{self.url}/api/v1/query"
+        return deadline.request(self._session, "GET", url, budget, params=params, hooks=capped_body())
 
     def query(self, promql: str, now: float | None = None) -> list[tuple[dict[str, str], float]]:
         """Instant vector as (labels, value) pairs; raises :class:`QueryFailed` with a reason."""
+        shown = self._shown_url
         try:
             resp = self._get(promql, now)
         except requests.RequestException as exc:  # refused, timed out, or cut off mid-body
-            raise QueryFailed(FailureReason.UNREACHABLE, f"{self.url}: {type(exc).__name__}") from None
+            raise QueryFailed(FailureReason.UNREACHABLE, f"{shown}: {type(exc).__name__}") from None
+        except BodyTooLarge as exc:
+            raise QueryFailed(FailureReason.PARSE_ERROR, f"{shown}: {exc}") from None
         try:
             body = resp.json()
-        except ValueError:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than a parser goes
             if resp.status_code >= 400:
-                raise QueryFailed(FailureReason.HTTP_ERROR, f"{self.url}: HTTP {resp.status_code}") from None
-            raise QueryFailed(FailureReason.PARSE_ERROR, f"{self.url}: response is not JSON") from None
+                raise QueryFailed(FailureReason.HTTP_ERROR, f"{shown}: HTTP {resp.status_code}") from None
+            what = "nested too deeply" if isinstance(exc, RecursionError) else "not JSON"
+            raise QueryFailed(FailureReason.PARSE_ERROR, f"{shown}: response is {what}") from None
         if not isinstance(body, dict):
-            raise QueryFailed(FailureReason.PARSE_ERROR, f"{self.url}: response is not a JSON object")
+            raise QueryFailed(FailureReason.PARSE_ERROR, f"{shown}: response is not a JSON object")
         if body.get("status") != "success":
             if resp.status_code >= 500:
-                raise QueryFailed(FailureReason.HTTP_ERROR, f"{self.url}: HTTP {resp.status_code}")
+                raise QueryFailed(FailureReason.HTTP_ERROR, f"{shown}: HTTP {resp.status_code}")
             raise QueryFailed(FailureReason.QUERY_ERROR, f"{body.get('errorType')}: {body.get('error')}"[:200])
         data = body.get("data")
         if not isinstance(data, dict):
@@ -198,9 +219,11 @@ class PrometheusSource:
                 return [({}, float(result[1]))]
             if kind != "vector" or not isinstance(result, list):
                 raise QueryFailed(FailureReason.PARSE_ERROR, f"unexpected resultType {kind!r}")
-            return [(dict(item.get("metric", {})), float(item["value"][1])) for item in result]
+            return [_sample(item) for item in result]
         except (TypeError, KeyError, IndexError, ValueError) as exc:
-            raise QueryFailed(FailureReason.PARSE_ERROR, f"malformed result: {type(exc).__name__}") from None
+            raise QueryFailed(
+                FailureReason.PARSE_ERROR, f"malformed result: {type(exc).__name__}: {exc}"[:200]
+            ) from None
 
     def _scalar(self, name: str, now: float, required: bool) -> float | None:
         """One value; ``None`` when empty or NaN and not required (else QueryFailed)."""
@@ -216,20 +239,31 @@ class PrometheusSource:
             return None
         return value
 
-    def _check_arrival(self, arrival: float) -> float:
-        """The arrival rate, with estimation noise below zero read as 0; QueryFailed if it lies."""
-        if arrival < 0:
+    def _value(self, name: str, now: float) -> float | None:
+        """One optional value, summed over its series: None when empty or NaN (0/0, nothing to
+        measure); ±Inf is returned, for the caller to hold as implausible."""
+        result = self.query(self.queries[name], now)
+        value = sum(v for _, v in result) if result else math.nan
+        return None if math.isnan(value) else value
+
+    def _check_rate(self, name: str, rate: float | None, window_s: float, deriv: bool = True) -> float | None:
+        """A rate, with estimation noise below zero read as 0; QueryFailed if it lies."""
+        if rate is None:
+            return None
+        if not math.isfinite(rate):
+            raise QueryFailed(FailureReason.IMPLAUSIBLE, f"{name} is {rate} req/s")
+        if rate < 0:
             # A queue that empties mid-window makes deriv() overshoot by up to 1.5·Δqueue/window.
-            noise = 1.5 * self.max_num_seqs / self.rate_window_s if self.max_num_seqs else 0.0
-            if arrival < -noise - 1e-9:
-                raise QueryFailed(FailureReason.IMPLAUSIBLE, f"arrival_rate is negative ({arrival:g} req/s)")
+            noise = 1.5 * self.max_num_seqs / window_s if self.max_num_seqs and deriv else 0.0
+            if rate < -noise - 1e-9:
+                raise QueryFailed(FailureReason.IMPLAUSIBLE, f"{name} is negative ({rate:g} req/s)")
             return 0.0
-        if self.max_rate_rps is not None and arrival > self.max_rate_rps:
+        if self.max_rate_rps is not None and rate > self.max_rate_rps:
             raise QueryFailed(
                 FailureReason.IMPLAUSIBLE,
-                f"arrival_rate {arrival:.1f} req/s is above the plausible {self.max_rate_rps:g}",
+                f"{name} {rate:.1f} req/s is above the plausible {self.max_rate_rps:g}",
             )
-        return arrival
+        return rate
 
     def _running(self, now: float) -> float | None:
         result = self.query(self.queries["running"], now)
@@ -307,27 +341,42 @@ class PrometheusSource:
 
     def _observe(self, now: float) -> ObserveResult:
         try:
-            arrival = self._check_arrival(self._scalar("arrival_rate", now, required=True))
+            arrival = self._scalar("arrival_rate", now, required=True)
+            arrival = self._check_rate("arrival_rate", arrival, self.rate_window_s)
             age = self._scalar("sample_age", now, required=True)
             sd_present = self._scalar("sd_present", now, required=False) is not None
             acceptance = positions = mean_draft = None
+            limits = observation_limits()
             if sd_present:
-                acceptance = self._scalar("acceptance_rate", now, required=False)
-                mean_draft = self._scalar("mean_draft_tokens", now, required=False)
+                acceptance = self._value("acceptance_rate", now)
+                mean_draft = self._value("mean_draft_tokens", now)
                 pos = self.query(self.queries["position_acceptance"], now)
-                if pos and all(math.isfinite(v) for _, v in pos):
+                for _, v in pos:
+                    _hold(out_of_range({"position_acceptance": None if math.isnan(v) else v}, limits))
+                if pos and not any(math.isnan(v) for _, v in pos):
                     ordered = sorted(pos, key=lambda lv: _position(lv[0]))
-                    positions = tuple(min(max(v, 0.0), 1.0) for _, v in ordered)
-            mean_prompt = self._scalar("mean_prompt_tokens", now, required=False)
-            mean_gen = self._scalar("mean_gen_tokens", now, required=False)
+                    positions = tuple(probability(v) for _, v in ordered)
+            mean_prompt = self._value("mean_prompt_tokens", now)
+            mean_gen = self._value("mean_gen_tokens", now)
+            waiting = self._value("waiting", now)
+            mean_e2e = self._value("mean_e2e_latency", now)
+            means = {"acceptance_rate": acceptance, "mean_draft_tokens": mean_draft, "mean_prompt_tokens": mean_prompt}
+            _hold(out_of_range(means | {"mean_gen_tokens": mean_gen, "mean_e2e_latency_s": mean_e2e}, limits))
+            _hold(out_of_range({"waiting": waiting}, limits))
+            arrival_long = self._check_rate(
+                "arrival_rate_long", self._value("arrival_rate_long", now), self.long_window_s
+            )
+            # max_over_time of a rate() alone: no deriv() whose noise could take it under zero
+            arrival_peak = self._value("arrival_rate_peak", now)
+            arrival_peak = self._check_rate("arrival_rate_peak", arrival_peak, self.rate_window_s, deriv=False)
             cached = self._cached_prompt_tokens(now)
             config = self._cache_config(now)
             return Observation(
                 time_s=now,
                 arrival_rate_rps=arrival,
-                arrival_rate_long_rps=_nonneg(self._scalar("arrival_rate_long", now, required=False)),
-                arrival_rate_peak_rps=_nonneg(self._scalar("arrival_rate_peak", now, required=False)),
-                acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
+                arrival_rate_long_rps=arrival_long,
+                arrival_rate_peak_rps=arrival_peak,
+                acceptance_rate=probability(acceptance),
                 position_acceptance=positions,
                 mean_draft_tokens=mean_draft,
                 mean_prompt_tokens=mean_prompt,
@@ -335,8 +384,8 @@ class PrometheusSource:
                 prompt_tokens_std=self._spread("prompt_tokens_buckets", now, mean_prompt),
                 gen_tokens_std=self._spread("gen_tokens_buckets", now, mean_gen),
                 running=self._running(now),
-                waiting=self._scalar("waiting", now, required=False),
-                mean_e2e_latency_s=self._scalar("mean_e2e_latency", now, required=False),
+                waiting=waiting,
+                mean_e2e_latency_s=mean_e2e,
                 sd_series_present=sd_present,
                 sample_age_s=max(age, 0.0) if age is not None else None,
                 running_context_tokens=self._running_context(now, cached, config),
@@ -353,13 +402,14 @@ def _engine(labels: dict[str, str]) -> tuple[str, str, str]:
 
 def _per_request(rows: list[tuple[dict[str, str], float]]) -> float | None:
     """Cached prompt tokens per completed request: 0 without the counter or with nothing
-    cached (0/0); None when the ratio is +Inf (cached tokens, no completion) or negative."""
+    cached (0/0); None when the ratio is +Inf (cached tokens, no completion), negative, or past
+    MAX_TOKENS_PER_REQUEST."""
     if not rows:
         return 0.0
     value = sum(v for _, v in rows)
     if math.isnan(value):
         return 0.0
-    return value if math.isfinite(value) and value >= 0 else None
+    return value if math.isfinite(value) and 0 <= value <= MAX_TOKENS_PER_REQUEST else None
 
 
 def _le(labels: dict[str, str]) -> float | None:
@@ -378,5 +428,22 @@ def _position(labels: dict[str, str]) -> int:
     return int(raw)
 
 
-def _nonneg(v: float | None) -> float | None:
-    return None if v is None else max(v, 0.0)
+def _hold(why: str | None) -> None:
+    """QueryFailed(implausible) with ``why``, when there is one."""
+    if why is not None:
+        raise QueryFailed(FailureReason.IMPLAUSIBLE, why)
+
+
+def _sample(item: object) -> tuple[dict[str, str], float]:
+    """One element of an instant vector: its labels and value; TypeError when it is not one
+    (a list or null where an object belongs, labels that are not strings)."""
+    if not isinstance(item, dict):
+        raise TypeError(f"vector element is {type(item).__name__}, not an object")
+    metric, value = item.get("metric", {}), item["value"]
+    if not isinstance(metric, dict) or not all(isinstance(v, str) for v in metric.values()):
+        raise TypeError("metric is not an object of strings")
+    if not isinstance(value, list) or len(value) != 2 or not isinstance(value[1], str | int | float):
+        raise TypeError("value is not [time, number]")
+    if isinstance(value[1], bool):
+        raise TypeError("value is a boolean")
+    return dict(metric), float(value[1])

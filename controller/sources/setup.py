@@ -85,6 +85,8 @@ def build_source(s: Any, model: LatencyModel | None = None) -> Source:
         return source
     if s.prometheus_fleet_selector:
         raise ConfigError("setting prometheus_fleet_selector: needs prometheus_url (the fleet is read from Prometheus)")
+    if not s.vllm_metrics_url:  # set empty (SD_CONTROLLER_VLLM_METRICS_URL=): no source at all
+        raise ConfigError("setting vllm_metrics_url: required when prometheus_url is unset (vLLM's /metrics URL)")
     return VllmMetricsSource(
         url=s.vllm_metrics_url, model_name=s.vllm_model_name, rate_window_s=s.rate_window_s,
         acceptance_window_s=s.acceptance_window_s, long_window_s=s.long_window_s, timeout_s=s.prometheus_timeout_s,

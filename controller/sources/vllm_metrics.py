@@ -1,16 +1,26 @@
 """Observe vLLM by scraping its /metrics directly; rates from successive scrapes.
 
 Parsing is prometheus-client's text parser. vLLM's counters reset at every restart (and every
-SD toggle is a restart): a counter that went down, appeared, or whose ``_created`` timestamp
-changed restarted from zero, so its increase over that interval is its new value, never a
-negative or a huge jump.
+SD toggle is a restart): a counter that went down, or one of whose series has a new ``_created``
+timestamp, restarted from zero, so its increase over that interval is its new value, never a
+negative or a huge jump. ``_created`` is compared series by series (vLLM gives each its own, a
+few microseconds apart), so a series that appears or goes missing is not a restart. A counter
+that appears counts from zero only when it was born after the scrape before (its ``_created``, or
+another counter's restart, says so).
 
 Data that parses but cannot be true is held with reason ``implausible`` and kept out of the
 history: a counter that went down while its ``_created`` stayed the same (a glitch, not a
-restart), a negative counter, more running requests than ``max_num_seqs`` per engine, or a
-completion rate above ``max_rate_rps`` (what the server could possibly serve). After
-``MAX_IMPLAUSIBLE_STREAK`` such scrapes in a row the history starts over (warming up again), so
-a lasting shift cannot hold the controller forever.
+restart), a negative counter, a counter past 2**53 (where a float loses its increments), more
+running requests than ``max_num_seqs`` per engine, a completion rate above ``max_rate_rps`` (what
+the server could possibly serve), a histogram ``_sum`` that grew more or less than its buckets
+allow, or more tokens accepted than drafted. A scrape that lacks a counter or queue gauge the last
+one had, with no restart in between, is held as ``incomplete``. After ``MAX_IMPLAUSIBLE_STREAK``
+such scrapes in a row the history starts over (warming up again), so a lasting shift cannot hold
+the controller forever. Means over the window that no request can have (a length past
+``MAX_TOKENS_PER_REQUEST``, a latency longer than the server has been up) are held too.
+
+A body past ``MAX_BODY_BYTES`` is a parse error, read no further; errors show the URL without
+its credentials or query string.
 
 The running batch's KV context (``Observation.running_context_tokens``) comes from the KV-usage
 gauges and ``vllm:cache_config_info``, kept apart from the counters and gauges above: a server
@@ -31,9 +41,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from controller import deadline
+from controller.errors import redact_url
 from controller.histograms import std_from_buckets
 from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
-from controller.sources.base import TRANSIENT_HTTP_ERRORS
+from controller.sources.base import (
+    MAX_E2E_LATENCY_S,
+    MAX_TOKENS_PER_REQUEST,
+    PROBABILITY_SLACK,
+    TRANSIENT_HTTP_ERRORS,
+    BodyTooLarge,
+    capped_body,
+    observation_limits,
+    out_of_range,
+    probability,
+)
 from controller.sources.kv_context import (
     CACHE_CONFIG,
     PROMPT_CACHED,
@@ -57,6 +78,11 @@ E2E = "vllm:e2e_request_latency_seconds"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 MAX_IMPLAUSIBLE_STREAK = 3
+MAX_EXACT_COUNTER = 2.0**53  # past it a float counter's increments are lost in rounding
+# vLLM's _created is its host's clock, a scrape's time ours: they may differ by this much.
+CLOCK_SKEW_S = 60.0
+
+Series = tuple[tuple[str, str], ...]  # a sample's labels, sorted, without ``le``
 
 
 @dataclass
@@ -65,7 +91,9 @@ class Snapshot:
 
     time_s: float
     counters: dict[str, float] = field(default_factory=dict)  # key -> value
-    created: dict[str, float] = field(default_factory=dict)  # key -> _created timestamp
+    # key -> series -> _created timestamp: each series its own, so one that appears or goes
+    # missing does not look like a restart of the rest.
+    created: dict[str, dict[Series, float]] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
     sd_present: bool = False
     running_engines: int = 0  # series of vllm:num_requests_running (one per engine)
@@ -89,7 +117,7 @@ _WANTED = (
     CACHE_CONFIG,
     PROMPT_CACHED,
 )
-_WANTED_HIST = (PROMPT, GENERATION, E2E)
+_WANTED_HIST = (PROMPT, GENERATION, E2E)  # with their buckets: they bound what _sum can grow by
 _SPREAD_HIST = (PROMPT, GENERATION)  # their buckets give the lengths' spread
 
 
@@ -105,9 +133,7 @@ def _relevant(text: str) -> str:
             name = parts[2] if len(parts) > 2 else ""
         else:
             name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.startswith(_WANTED) or (
-            name.startswith(_WANTED_HIST) and (not name.endswith("_bucket") or name.startswith(_SPREAD_HIST))
-        ):
+        if name.startswith(_WANTED) or name.startswith(_WANTED_HIST):
             keep.append(line)
     return "\n".join(keep) + "\n"
 
@@ -132,7 +158,7 @@ def parse_snapshot(text: str, now: float, model_name: str | None = None) -> Snap
                 continue
             kind, k = key
             if kind == "created":
-                snap.created[k] = min(snap.created.get(k, math.inf), value)
+                snap.created.setdefault(k, {})[_series_id(s.labels)] = value
             elif kind == "gauge":
                 snap.gauges[k] = snap.gauges.get(k, 0.0) + value
                 snap.running_engines += k == RUNNING
@@ -160,9 +186,13 @@ def _read_kv(snap: Snapshot, family: str, samples: list, model_name: str | None)
                 snap.kv_capacity[engine] = capacity
             snap.prefix_caching.append(prefix_caching(s.labels))
         elif family == PROMPT_CACHED + "_created" or s.name == PROMPT_CACHED + "_created":
-            snap.created[PROMPT_CACHED] = min(snap.created.get(PROMPT_CACHED, math.inf), float(s.value))
+            snap.created.setdefault(PROMPT_CACHED, {})[_series_id(s.labels)] = float(s.value)
         elif s.name == PROMPT_CACHED + "_total":
             snap.prompt_cached = (snap.prompt_cached or 0.0) + float(s.value)
+
+
+def _series_id(labels: dict[str, str]) -> Series:
+    return tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
 
 
 def _key(family: str, sample: str, labels: dict[str, str]) -> tuple[str, str] | None:
@@ -180,7 +210,7 @@ def _key(family: str, sample: str, labels: dict[str, str]) -> tuple[str, str] | 
         if sample.endswith("_created"):
             return "created", f"{family}:{pos}"
         return ("counter", f"{family}:{pos}") if sample.endswith("_total") else None
-    if family in _SPREAD_HIST and sample == family + "_bucket":
+    if family in _WANTED_HIST and sample == family + "_bucket":
         return "counter", f"{family}_bucket:{labels.get('le', '?')}"
     if family in (PROMPT, GENERATION, E2E):
         for suffix in ("_sum", "_count"):
@@ -201,14 +231,43 @@ def _created_key(key: str) -> str:
     return key[: -len("_count")] + "_sum" if key.endswith("_count") else key
 
 
-def _restarted(prev: Snapshot, cur: Snapshot, key: str) -> bool:
-    created_key = _created_key(key)
-    if key not in prev.counters:
+def _start_moved(prev: Snapshot, cur: Snapshot, key: str) -> bool | None:
+    """Whether a series of ``key`` has a new ``_created`` (a restart); None when no series has
+    one in both scrapes (not exported, or every series replaced)."""
+    before, after = prev.created.get(_created_key(key), {}), cur.created.get(_created_key(key), {})
+    common = before.keys() & after.keys()
+    if not common:
+        return None
+    return any(abs(after[s] - before[s]) > 1e-6 for s in common)
+
+
+def _restarted(last: Snapshot, cur: Snapshot, key: str) -> bool:
+    """``key``, in both scrapes, restarted from zero between them."""
+    return cur.counters[key] < last.counters[key] or _start_moved(last, cur, key) is True
+
+
+def _born_since(prev: Snapshot, cur: Snapshot, key: str) -> bool:
+    """``key``, absent from ``prev``, started counting after it: its ``_created`` is later than
+    ``prev``'s scrape, or another counter restarted in between (SD switched on by a restart)."""
+    starts = cur.created.get(_created_key(key))
+    if starts and min(starts.values()) > prev.time_s:
         return True
-    if cur.counters[key] < prev.counters[key]:
-        return True
-    c_prev, c_cur = prev.created.get(created_key), cur.created.get(created_key)
-    return c_prev is not None and c_cur is not None and abs(c_cur - c_prev) > 1e-6
+    return any(_restarted(prev, cur, k) for k in prev.counters.keys() & cur.counters.keys())
+
+
+def _started(snap: Snapshot, key: str) -> float | None:
+    """When the oldest series of ``key`` was created (vLLM's clock), if exported."""
+    starts = snap.created.get(_created_key(key))
+    return min(starts.values()) if starts else None
+
+
+def _uptime_s(snap: Snapshot, key: str) -> float:
+    """The longest any observation of ``key`` can have lasted at ``snap``: since its counter was
+    created (plus the clocks' skew), and never past MAX_E2E_LATENCY_S."""
+    started = _started(snap, key)
+    if started is None:
+        return MAX_E2E_LATENCY_S
+    return min(snap.time_s - started + CLOCK_SKEW_S, MAX_E2E_LATENCY_S)
 
 
 def implausible(
@@ -219,6 +278,9 @@ def implausible(
         for key, value in values.items():
             if value < 0:
                 return f"{_series(key)} is negative ({value:g}): a {name} never is"
+    for key, value in cur.counters.items():
+        if value > MAX_EXACT_COUNTER:
+            return f"{_series(key)} is {value:g}, past 2**53 where a counter's increments are lost"
     running = cur.gauges.get(RUNNING)
     if max_num_seqs is not None and running is not None and running > max_num_seqs * max(cur.running_engines, 1):
         return f"{RUNNING} is {running:g}, above max_num_seqs={max_num_seqs}"
@@ -226,36 +288,115 @@ def implausible(
         return None
     for key, value in cur.counters.items():
         before = prev.counters.get(key)
-        created_key = _created_key(key)
-        c_prev, c_cur = prev.created.get(created_key), cur.created.get(created_key)
-        same_start = c_prev is not None and c_cur is not None and abs(c_cur - c_prev) <= 1e-6
-        if before is not None and value < before and same_start:
+        if before is not None and value < before and _start_moved(prev, cur, key) is False:
             return f"{_series(key)} went down from {before:g} to {value:g} with _created unchanged (no restart)"
     dt = cur.time_s - prev.time_s
     inc = increase([prev, cur], SUCCESS)
     if max_rate_rps is not None and inc is not None and dt > 0 and inc / dt > max_rate_rps:
         return f"{SUCCESS}_total grew {inc:g} in {dt:g}s ({inc / dt:.1f} req/s, above the plausible {max_rate_rps:g})"
+    return (
+        _histogram_lie(prev, cur, PROMPT, MAX_TOKENS_PER_REQUEST)
+        or _histogram_lie(prev, cur, GENERATION, MAX_TOKENS_PER_REQUEST)
+        or _histogram_lie(prev, cur, E2E, _uptime_s(cur, E2E + "_sum"))
+        or _accepted_past_drafted(prev, cur)
+    )
+
+
+def _histogram_lie(prev: Snapshot, cur: Snapshot, family: str, top: float) -> str | None:
+    """Why ``family``'s ``_sum`` grew by more or less than its buckets allow between the scrapes:
+    each observation lies within its bucket, the last (``+Inf``) one's at most ``top``. None when
+    consistent, or when the buckets are not exported."""
+    pair, prefix = [prev, cur], family + "_bucket:"
+    rows = []
+    for key in cur.counters:
+        if key.startswith(prefix):
+            le, inc = _float(key[len(prefix) :]), increase(pair, key)
+            if le is None or inc is None:
+                return None
+            rows.append((le, inc))
+    grew = increase(pair, family + "_sum")
+    if not rows or grew is None:
+        return None
+    rows.sort()
+    low = high = below = lower_le = widest = 0.0
+    for le, cumulative in rows:
+        n = max(cumulative - below, 0.0)
+        low += n * lower_le
+        high += n * (le if math.isfinite(le) else top)
+        below, lower_le = max(below, cumulative), le
+        widest = le if math.isfinite(le) else widest
+    # One observation may be torn between the sum and its bucket while the scrape is written.
+    slack = widest + PROBABILITY_SLACK * high
+    if low - slack <= grew <= high + slack:
+        return None
+    return f"{family}_sum grew {grew:g}, outside the [{low:g}, {high:g}] its buckets allow"
+
+
+def _accepted_past_drafted(prev: Snapshot, cur: Snapshot) -> str | None:
+    """More tokens accepted than drafted, or a position accepted more often than drafts were made."""
+    pair = [prev, cur]
+    drafted, drafts = increase(pair, DRAFT_TOKENS), increase(pair, DRAFTS)
+    checks = [(ACCEPTED, drafted, "draft tokens")]
+    checks += [(k, drafts, "drafts") for k in cur.counters if k.startswith(ACCEPTED_PER_POS + ":")]
+    for key, most, what in checks:
+        grew = increase(pair, key)
+        if grew is not None and most is not None and grew > most * (1.0 + PROBABILITY_SLACK) + 1e-9:
+            return f"{_series(key)} grew {grew:g}, more than the {most:g} {what}"
     return None
+
+
+def missing(prev: Snapshot, cur: Snapshot) -> str | None:
+    """A counter or queue gauge ``prev`` had and ``cur`` lacks, with no restart between them: a
+    torn or partial scrape, whose gap would turn the next increase into a lifetime's. Pure."""
+    gauges = [g for g in prev.gauges if g not in cur.gauges]
+    if gauges:
+        return f"{gauges[0]} missing from this scrape (the last one had it)"
+    counters = sorted((k for k in prev.counters if k not in cur.counters), key=lambda k: "_bucket:" in k)
+    if not counters or any(_restarted(prev, cur, k) for k in prev.counters.keys() & cur.counters.keys()):
+        return None  # a restart may drop families (SD switched off)
+    return f"{_series(counters[0])} missing from this scrape (the last one had it, and nothing restarted)"
+
+
+def _float(text: str) -> float | None:
+    """A bucket's ``le``; None when it is not a number."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return None if math.isnan(value) else value
 
 
 def _series(key: str) -> str:
     """The exposition name of a snapshot key, for messages."""
     if key.startswith(ACCEPTED_PER_POS + ":"):
         return f'{ACCEPTED_PER_POS}_total{{position="{key.rsplit(":", 1)[1]}"}}'
+    if "_bucket:" in key:
+        family, le = key.split("_bucket:", 1)
+        return f'{family}_bucket{{le="{le}"}}'
     if key.endswith(("_sum", "_count")) or key in (RUNNING, WAITING):
         return key
     return key + "_total"
 
 
 def increase(history: list[Snapshot], key: str) -> float | None:
-    """Counter increase across the snapshots, reset-aware; None if absent at the end."""
+    """Counter increase across the snapshots, reset-aware; None if absent at the end.
+
+    A snapshot without ``key`` (a scrape that lacked its family) is stepped over: the next one is
+    paired with the last that had it. A key new in ``history`` counts from zero only when it was
+    born after the snapshot before it; otherwise that snapshot is its baseline.
+    """
     if key not in history[-1].counters:
         return None
     total = 0.0
+    last = history[0] if key in history[0].counters else None
     for prev, cur in itertools.pairwise(history):
         if key not in cur.counters:
             continue
-        total += cur.counters[key] if _restarted(prev, cur, key) else cur.counters[key] - prev.counters[key]
+        if last is not None:
+            total += cur.counters[key] if _restarted(last, cur, key) else cur.counters[key] - last.counters[key]
+        elif _born_since(prev, cur, key):
+            total += cur.counters[key]
+        last = cur
     return total
 
 
@@ -278,6 +419,7 @@ class VllmMetricsSource:
         if (url is None) == (fetch is None):
             raise ValueError("give exactly one of url or fetch")
         self.url = url
+        self._shown_url = redact_url(url) if url else "metrics"  # for errors: no credentials
         self._fetch = fetch or self._http_fetch
         self.model_name = model_name
         self.rate_window_s = rate_window_s
@@ -299,7 +441,7 @@ class VllmMetricsSource:
     def _http_fetch(self) -> str:
         assert self.url is not None
         # timeout_s bounds the whole request: a peer that drips bytes cannot hold the tick.
-        resp = deadline.request(self._session, "GET", self.url, self.timeout_s)
+        resp = deadline.request(self._session, "GET", self.url, self.timeout_s, hooks=capped_body())
         if resp.status_code != 200:
             raise _HttpStatus(resp.status_code)
         return resp.text
@@ -308,22 +450,29 @@ class VllmMetricsSource:
         try:
             text = self._fetch()
         except requests.RequestException as exc:  # refused, timed out, or cut off mid-body
-            return ObservationFailure(FailureReason.UNREACHABLE, f"{self.url}: {type(exc).__name__}")
+            return ObservationFailure(FailureReason.UNREACHABLE, f"{self._shown_url}: {type(exc).__name__}")
         except _HttpStatus as exc:
-            return ObservationFailure(FailureReason.HTTP_ERROR, f"{self.url}: HTTP {exc.status}")
+            return ObservationFailure(FailureReason.HTTP_ERROR, f"{self._shown_url}: HTTP {exc.status}")
+        except BodyTooLarge as exc:
+            return ObservationFailure(FailureReason.PARSE_ERROR, f"{self._shown_url}: {exc}")
         try:
             snap = parse_snapshot(text, now, self.model_name)
         except Exception as exc:  # the parser raises several types on garbage
             return ObservationFailure(
-                FailureReason.PARSE_ERROR, f"{self.url or 'metrics'}: {type(exc).__name__}: {exc}"[:200]
+                FailureReason.PARSE_ERROR, f"{self._shown_url}: {type(exc).__name__}: {exc}"[:200]
             )
-        values = [*snap.counters.values(), *snap.gauges.values()]
-        if not all(math.isfinite(v) for v in values):
-            # Keep NaN out of the history, or it would poison every window it is in.
+        # The prefix-cache counter's _created is left to its own check: garbage there must not hold.
+        starts = [v for k, series in snap.created.items() if k != PROMPT_CACHED for v in series.values()]
+        if not all(math.isfinite(v) for v in [*snap.counters.values(), *snap.gauges.values(), *starts]):
+            # Keep NaN out of the history, or it would poison every window it is in (a NaN
+            # _created would read as a restart, a lifetime counted as one interval).
             return ObservationFailure(FailureReason.NAN, "non-finite value in /metrics")
         if self._history and now <= self._history[-1].time_s:
             self._history.clear()  # clock went backwards: start over rather than divide by <= 0
-        why = implausible(self._history[-1] if self._history else None, snap, self.max_num_seqs, self.max_rate_rps)
+        prev = self._history[-1] if self._history else None
+        why, reason = implausible(prev, snap, self.max_num_seqs, self.max_rate_rps), FailureReason.IMPLAUSIBLE
+        if why is None and prev is not None:
+            why, reason = missing(prev, snap), FailureReason.INCOMPLETE
         if why is not None:
             self._implausible_streak += 1
             if self._implausible_streak >= MAX_IMPLAUSIBLE_STREAK:
@@ -332,7 +481,7 @@ class VllmMetricsSource:
                 self._implausible_streak = 0
                 if implausible(None, snap, self.max_num_seqs, self.max_rate_rps) is None:
                     self._history.append(snap)
-            return ObservationFailure(FailureReason.IMPLAUSIBLE, f"{self.url or 'metrics'}: {why}"[:300])
+            return ObservationFailure(reason, f"{self._shown_url}: {why}"[:300])
         self._implausible_streak = 0
         self._history.append(snap)
         horizon = max(self.rate_window_s, self.acceptance_window_s, self.long_window_s)
@@ -437,6 +586,8 @@ class VllmMetricsSource:
             s.prompt_cached is not None and not (math.isfinite(s.prompt_cached) and s.prompt_cached >= 0) for s in win
         ):
             return None
+        if not all(math.isfinite(v) for s in win for v in s.created.get(PROMPT_CACHED, {}).values()):
+            return None  # a NaN _created would read as a restart
         # The counter is kept out of Snapshot.counters (garbage in it must not hold the
         # controller): a view of it alone gets the same reset-aware increase.
         view = [
@@ -446,7 +597,14 @@ class VllmMetricsSource:
         cached, done = increase(view, PROMPT_CACHED), increase(win, SUCCESS)
         if not cached:
             return 0.0
-        return cached / done if done else None
+        per_request = cached / done if done else None
+        return per_request if per_request is not None and per_request <= MAX_TOKENS_PER_REQUEST else None
+
+    def _e2e_limit_s(self, now: float, window_s: float) -> float:
+        """The longest mean latency the window's requests can have: the server's uptime, since
+        the oldest ``_created`` in the window (a restart in it leaves older requests counted)."""
+        starts = [t for s in self._window(now, window_s) if (t := _started(s, E2E + "_sum")) is not None]
+        return min(now - min(starts) + CLOCK_SKEW_S, MAX_E2E_LATENCY_S) if starts else MAX_E2E_LATENCY_S
 
     def _observation(self, now: float) -> ObserveResult:
         if len(self._history) < 2:
@@ -460,6 +618,7 @@ class VllmMetricsSource:
         arrival_peak = self._peak_completion_rate(now)
         aw = self.acceptance_window_s
         acceptance = positions = mean_draft = None
+        per_pos: list[float | None] = []
         if cur.sd_present:
             acceptance = self._ratio(now, aw, ACCEPTED, DRAFT_TOKENS)
             mean_draft = self._ratio(now, aw, DRAFT_TOKENS, DRAFTS)
@@ -468,17 +627,28 @@ class VllmMetricsSource:
                 key=lambda k: int(k.rsplit(":", 1)[1]) if k.rsplit(":", 1)[1].isdigit() else 0,
             )
             per_pos = [self._ratio(now, aw, k, DRAFTS) for k in pos_keys]
-            if per_pos and all(p is not None for p in per_pos):
-                positions = tuple(min(max(p, 0.0), 1.0) for p in per_pos)  # type: ignore[arg-type]
         mean_prompt = self._ratio(now, aw, PROMPT + "_sum", PROMPT + "_count")
         mean_gen = self._ratio(now, aw, GENERATION + "_sum", GENERATION + "_count")
+        mean_e2e = self._ratio(now, aw, E2E + "_sum", E2E + "_count")
+        # The scrapes' checks keep these in range; a window that still is not (a server without
+        # buckets, a jump they missed) is held, never clamped into a number.
+        limits = observation_limits(self._e2e_limit_s(now, aw))
+        means = {"acceptance_rate": acceptance, "mean_draft_tokens": mean_draft, "mean_prompt_tokens": mean_prompt}
+        means |= {"mean_gen_tokens": mean_gen, "mean_e2e_latency_s": mean_e2e}
+        why = out_of_range(means, limits)
+        for p in per_pos:
+            why = why or out_of_range({"position_acceptance": p}, limits)
+        if why is not None:
+            return ObservationFailure(FailureReason.IMPLAUSIBLE, f"{self._shown_url}: {why}"[:300])
+        if per_pos and all(p is not None for p in per_pos):
+            positions = tuple(probability(p) for p in per_pos)  # type: ignore[misc]
         try:
             return Observation(
                 time_s=now,
                 arrival_rate_rps=arrival,
                 arrival_rate_long_rps=arrival_long,
                 arrival_rate_peak_rps=arrival_peak,
-                acceptance_rate=None if acceptance is None else min(max(acceptance, 0.0), 1.0),
+                acceptance_rate=probability(acceptance),
                 position_acceptance=positions,
                 mean_draft_tokens=mean_draft,
                 mean_prompt_tokens=mean_prompt,
@@ -487,7 +657,7 @@ class VllmMetricsSource:
                 gen_tokens_std=self._spread(now, aw, GENERATION, mean_gen),
                 running=cur.gauges.get(RUNNING),
                 waiting=cur.gauges.get(WAITING),
-                mean_e2e_latency_s=self._ratio(now, aw, E2E + "_sum", E2E + "_count"),
+                mean_e2e_latency_s=mean_e2e,
                 sd_series_present=cur.sd_present,
                 sample_age_s=0.0,
                 running_context_tokens=self._running_context(now),
