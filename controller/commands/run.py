@@ -16,7 +16,7 @@ import structlog
 
 from controller import calibration as cal_mod
 from controller.coordination.setup import build_gate
-from controller.errors import EXIT_OK, EXIT_USAGE, ConfigError, InputError
+from controller.errors import EXIT_OK, EXIT_USAGE, ConfigError, InputError, redact_url
 from controller.hooks.setup import build_hook
 from controller.learning import Learner
 from controller.logs import configure as configure_logs
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(controller.source, VllmMetricsSource):
             # A rate needs two scrapes: take the first now, the tick's a rate window later.
             print(
-                f"sd-controller run --once: scraping {controller.source.url} now and again in"
+                f"sd-controller run --once: scraping {redact_url(controller.source.url)} now and again in"
                 f" {settings.rate_window_s:g}s (rate_window_s), for a rate",
                 file=sys.stderr,
             )
