@@ -365,19 +365,24 @@ def parse(text: str, where: str = "calibration") -> CalibrationFile:
     return cal
 
 
-def _check_idle(cal: CalibrationFile, where: str) -> None:
-    """InputError unless the model predicts a positive, finite latency for a request alone.
+def prices_a_request(model: LatencyModel, workload: Workload, draft_length: int = 2) -> bool:
+    """Whether the model predicts a finite, positive latency for a request alone, both modes.
 
-    Every field can be in range and the costs still price nothing (an all-zero target): each
-    command would then divide by zero on its first prediction.
+    Every field of a calibration can be in range and its costs still price nothing (an
+    all-zero target, a staircase residual that takes a whole step): each prediction would then
+    divide by zero. A nanosecond is no server either: a zero-cost chain reads 1e-300 s there.
     """
     try:
         with np.errstate(all="ignore"):  # a zero cost's 0/0 is this check's answer, not a warning
-            p = predict_point(cal.latency_model(), 0.0, 0.5, 2, Workload(512, 128))
-        ok = all(math.isfinite(t) and t > 1e-9 for t in (p.latency_off_s, p.latency_on_s))
+            p = predict_point(model, 0.0, 0.5, draft_length, workload)
     except (ArithmeticError, ValueError):
-        ok = False
-    if not ok:
+        return False
+    return all(math.isfinite(t) and t > 1e-9 for t in (p.latency_off_s, p.latency_on_s))
+
+
+def _check_idle(cal: CalibrationFile, where: str) -> None:
+    """InputError unless the calibration prices a request alone (:func:`prices_a_request`)."""
+    if not prices_a_request(cal.latency_model(), Workload(512, 128)):
         raise InputError(
             f"{where}: predicts no finite, positive latency for a request alone (a step costing zero or less); {RECALIBRATE_HINT}"
         )

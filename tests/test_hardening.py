@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ from controller.settings import load_settings, read_config_file
 from controller.shipped import example_calibration_path
 from controller.state_store import FileStateStore
 from controller.tokens import read_token
-from tests.support import LEGACY_CALIBRATION
+from tests.support import LEGACY_CALIBRATION, zero_cost_calibration
+from tests.support.stub_http import StubHttp
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,18 +151,7 @@ def knee_nan(c):
 
 
 def all_zero(c):
-    for name in ("target", "draft"):
-        c["phases"][name].update(
-            intercept_s=0.0,
-            slope_s_per_token=0.0,
-            context_s_per_token=0.0,
-            seq_s=0.0,
-            attention_s_per_pair=0.0,
-            knees=[],
-        )
-    c["phases"]["sd_overhead_s"] = 0.0
-    c["phases"]["decode_staircase"] = []
-    c["phases"]["verify_staircase"] = []
+    c["phases"] = zero_cost_calibration()["phases"] | {"decode_staircase": [], "verify_staircase": []}
 
 
 def stair_takes_the_step(c):
@@ -271,69 +260,41 @@ def test_a_token_file_with_a_byte_order_mark_reads_the_token(tmp_path):
         read_token(path, "NO_SUCH_ENV", "setting hook_token_file")
 
 
-class Counting:
-    """A hook endpoint on 127.0.0.1 that answers after ``delay_s`` and counts the POSTs."""
+def answering(delay_s: float = 0.0, status: dict | None = None) -> StubHttp:
+    """A hook endpoint on 127.0.0.1: POSTs answered after ``delay_s``, GETs with ``status``."""
 
-    def __init__(self, delay_s: float, status: dict | None = None):
-        self.posts = 0
-        outer = self
+    def respond(method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
+        if method == "POST":
+            time.sleep(delay_s)
+            return 200, "application/json", b'{"accepted": true}'
+        return 200, "application/json", json.dumps(status or {}).encode()
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
+    return StubHttp(respond)
 
-            def _reply(self, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
-            def do_POST(self):
-                outer.posts += 1
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                time.sleep(delay_s)
-                self._reply({"accepted": True})
-
-            def do_GET(self):
-                self._reply(status or {})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+def posts(stub: StubHttp) -> int:
+    return sum(method == "POST" for method, _ in stub.requests)
 
 
 def test_a_change_is_not_posted_again_after_a_read_timeout():
-    peer = Counting(delay_s=1.0)
-    try:
+    with answering(delay_s=1.0) as peer:
         hook = HttpHook(peer.url + "/admin/speculative", None, "t0ken", timeout_s=0.3, retries=3)
         with pytest.raises(HookError, match="timed out") as exc:
             hook.request(CHANGE)
         assert exc.value.uncertain
         time.sleep(1.0)
-        assert peer.posts == 1
-    finally:
-        peer.close()
+        assert posts(peer) == 1
 
 
 def test_a_header_the_hook_cannot_send_never_quotes_the_token():
-    peer = Counting(delay_s=0.0)
-    try:
+    with answering() as peer:
         hook = HttpHook(peer.url + "/x", peer.url + "/status", f"{SECRET}\nS3CRET-line2", retries=0, timeout_s=1)
         with pytest.raises(HookError) as exc:
             hook.request(CHANGE)
         assert "request not sent (InvalidHeader)" in str(exc.value) and SECRET not in str(exc.value)
         status = hook.status()
         assert status.phase is HookPhase.UNKNOWN and SECRET not in (status.last_error or "")
-        assert peer.posts == 0
-    finally:
-        peer.close()
+        assert posts(peer) == 0
 
 
 @pytest.mark.parametrize(
@@ -348,13 +309,10 @@ def test_a_header_the_hook_cannot_send_never_quotes_the_token():
 def test_a_status_the_controller_would_misprice_is_unreadable(body):
     with pytest.raises(ValueError):
         parse_status(body)
-    peer = Counting(delay_s=0.0, status=body)
-    try:
+    with answering(status=body) as peer:
         status = HttpHook(peer.url + "/x", peer.url + "/status", None, retries=0, timeout_s=1).status()
-        assert status.phase is HookPhase.UNKNOWN and status.applied_enabled is None
-        assert "bad status body (status: " in status.last_error and "\n" not in status.last_error
-    finally:
-        peer.close()
+    assert status.phase is HookPhase.UNKNOWN and status.applied_enabled is None
+    assert "bad status body (status: " in status.last_error and "\n" not in status.last_error
 
 
 def test_urls_are_shown_without_credentials_or_query():

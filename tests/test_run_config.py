@@ -7,6 +7,7 @@ import pytest
 
 from controller.cli import main
 from controller.shipped import example_calibration_path
+from tests.support import zero_cost_calibration
 
 
 @pytest.fixture
@@ -49,18 +50,7 @@ def write(tmp_path: Path, name: str, data: bytes) -> Path:
 
 
 def zero_calibration(tmp_path: Path) -> Path:
-    cal = json.loads(example_calibration_path().read_text())
-    for phase in cal["phases"].values():
-        if isinstance(phase, dict):  # the pass costs (not the flags and the SD overhead)
-            phase.update(
-                intercept_s=0.0,
-                slope_s_per_token=0.0,
-                context_s_per_token=0.0,
-                seq_s=0.0,
-                attention_s_per_pair=0.0,
-                knees=[],
-            )
-    cal["phases"]["sd_overhead_s"] = 0.0
+    cal = zero_cost_calibration()
     return write(tmp_path, "zero.json", json.dumps(cal).encode())
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import socket
 import sys
@@ -21,7 +20,7 @@ from controller.hooks.setup import build_hook
 from controller.learning import Learner
 from controller.logs import configure as configure_logs
 from controller.loop import Controller, WebhookNotifier, override_from_file, run_loop
-from controller.model import LatencyModel, Workload, predict_point
+from controller.model import LatencyModel, Workload
 from controller.settings import Settings, load_settings
 from controller.shipped import calibration_path
 from controller.sources.setup import build_source
@@ -74,14 +73,7 @@ def check_model(model: LatencyModel, s: Settings, where: object) -> None:
 
     An all-zero calibration validates field by field but divides by zero on every tick.
     """
-    workload = Workload(s.default_prompt_tokens, s.default_gen_tokens)
-    try:
-        p = predict_point(model, 0.0, 0.5, s.draft_length, workload)
-        # A nanosecond at idle is no server: a zero-cost chain reads 1e-300 s there.
-        ok = all(math.isfinite(t) and t > 1e-9 for t in (p.latency_off_s, p.latency_on_s))
-    except (ArithmeticError, ValueError):
-        ok = False
-    if not ok:
+    if not cal_mod.prices_a_request(model, Workload(s.default_prompt_tokens, s.default_gen_tokens), s.draft_length):
         raise ConfigError(
             f"setting calibration_file: {where}: predicts no finite, positive latency at idle (all step costs zero?)"
         )
