@@ -188,6 +188,13 @@ def test_unknown_paths_and_methods(start_launcher):
     assert launcher.session.get(url + "/admin/speculative", headers=h, timeout=5).status_code == 405
     assert launcher.session.post(url + "/admin/status", headers=h, timeout=5).status_code == 405
     assert launcher.session.post(url + "/other", timeout=5).status_code == 404
+    # Other methods: a JSON 405 naming what is served, not the stdlib's 501 HTML page.
+    for method in ("HEAD", "PUT", "DELETE", "OPTIONS"):
+        r = launcher.session.request(method, url + "/admin/speculative", headers=h, data=b"{}", timeout=5)
+        assert r.status_code == 405 and r.headers["Allow"] == "GET, POST", method
+        if method != "HEAD":
+            assert "use GET or POST" in r.json()["error"]
+    assert launcher.session.get(url + "/admin/status", headers=h, timeout=5).status_code == 200  # same connection
 
 
 # ---- requests: 200 / 202 / 400 / 409 ---------------------------------------------------------

@@ -93,6 +93,21 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {path}"})
 
+    def _other_method(self) -> None:
+        # Not the stdlib's 501 HTML page: a JSON answer a client can read, with what is allowed.
+        if self._read_body() is None:  # drained, so the connection can carry the next request
+            return
+        if self.command == "HEAD":  # headers only: a body would be read as the next response
+            self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+            self.send_header("Allow", "GET, POST")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        error = {"error": f"{self.command} is not served: use GET or POST"}
+        self._send(HTTPStatus.METHOD_NOT_ALLOWED, error, {"Allow": "GET, POST"})
+
+    do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other_method
+
     def _switch(self, body: bytes) -> None:
         supervisor = self.server.supervisor
         try:
