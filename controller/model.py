@@ -340,10 +340,12 @@ class Workload:
 
     def __post_init__(self) -> None:
         # A NaN or a negative length reaches the chain as a non-positive rate, far from its cause.
-        for name in ("prompt_tokens", "gen_tokens", "cached_prompt_tokens"):
+        for name in ("prompt_tokens", "gen_tokens"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"workload {name}: {v!r} must be a finite number >= 0")
+        if not math.isfinite(self.cached_prompt_tokens):  # a bad reading of it is clamped (cached_tokens)
+            raise ValueError(f"workload cached_prompt_tokens: {self.cached_prompt_tokens!r} must be a finite number")
         for name in ("gen_tokens_std", "prompt_tokens_std", "running_context_tokens"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0.0):

@@ -246,8 +246,11 @@ class PrometheusSource:
         value = sum(v for _, v in result) if result else math.nan
         return None if math.isnan(value) else value
 
-    def _check_rate(self, name: str, rate: float | None, window_s: float, deriv: bool = True) -> float | None:
-        """A rate, with estimation noise below zero read as 0; QueryFailed if it lies."""
+    def _check_rate(
+        self, name: str, rate: float | None, window_s: float, deriv: bool = True, optional: bool = False
+    ) -> float | None:
+        """A rate, with estimation noise below zero read as 0; QueryFailed if it lies (an
+        ``optional`` one below zero past that noise: None, not measured)."""
         if rate is None:
             return None
         if not math.isfinite(rate):
@@ -256,6 +259,10 @@ class PrometheusSource:
             # A queue that empties mid-window makes deriv() overshoot by up to 1.5·Δqueue/window.
             noise = 1.5 * self.max_num_seqs / window_s if self.max_num_seqs and deriv else 0.0
             if rate < -noise - 1e-9:
+                if optional:
+                    # The long window's deriv() over a history shorter than the window (a server
+                    # minutes old) undershoots as well: not measured, rather than a held tick.
+                    return None
                 raise QueryFailed(FailureReason.IMPLAUSIBLE, f"{name} is negative ({rate:g} req/s)")
             return 0.0
         if self.max_rate_rps is not None and rate > self.max_rate_rps:
@@ -364,7 +371,7 @@ class PrometheusSource:
             _hold(out_of_range(means | {"mean_gen_tokens": mean_gen, "mean_e2e_latency_s": mean_e2e}, limits))
             _hold(out_of_range({"waiting": waiting}, limits))
             arrival_long = self._check_rate(
-                "arrival_rate_long", self._value("arrival_rate_long", now), self.long_window_s
+                "arrival_rate_long", self._value("arrival_rate_long", now), self.long_window_s, optional=True
             )
             # max_over_time of a rate() alone: no deriv() whose noise could take it under zero
             arrival_peak = self._value("arrival_rate_peak", now)
