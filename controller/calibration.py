@@ -25,7 +25,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from controller.atomic import write_json_atomic
 from controller.errors import InputError, validation_error_line
-from controller.model import STAIR_MAX_GAP_TOKENS, LatencyModel, Moe, StepCost, Workload, predict_point, stair_residual
+from controller.model import (
+    MAX_TOKENS_PER_REQUEST,
+    STAIR_MAX_GAP_TOKENS,
+    LatencyModel,
+    Moe,
+    StepCost,
+    Workload,
+    predict_point,
+    stair_residual,
+)
 from controller.treads import describe as describe_treads
 from controller.treads import table_period
 
@@ -624,6 +633,13 @@ def read_load_csv(path: str | Path) -> tuple[list[LoadRow], str]:
         for col in ("gen_tokens_std", "prompt_tokens_std", "cached_prompt_tokens", "served_rps"):
             if (opt[col] or 0.0) < 0:
                 raise InputError(f"{p}:{line}: column {col}: {opt[col]:g} is negative")
+        lengths = {c: vals[c] for c in ("mean_prompt_tokens", "mean_gen_tokens")}
+        lengths |= {
+            c: opt[c] for c in ("gen_tokens_std", "prompt_tokens_std", "cached_prompt_tokens", "running_context_tokens")
+        }
+        for col, v in lengths.items():
+            if v is not None and v > MAX_TOKENS_PER_REQUEST:
+                raise InputError(f"{p}:{line}: column {col}: {v:g} tokens a request is past any server's")
         sent = opt["sent"]
         if sent is not None and (sent < 0 or sent != int(sent)):
             raise InputError(f"{p}:{line}: column sent: {sent:g} must be a whole number of requests >= 0")

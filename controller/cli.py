@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from controller import __version__
-from controller.errors import EXIT_USAGE
+from controller.errors import EXIT_RUNTIME, EXIT_USAGE
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -81,7 +82,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # The reader left (`predict --json | head`): the rest of the output has nowhere to go.
+        # Point stdout at /dev/null so the interpreter's last flush does not fail again, and
+        # exit 1 without a traceback, as rich's console does for the tables.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

@@ -307,6 +307,17 @@ class MetricsServer(BackgroundHTTPServer):
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                self._answer(with_body=True)
+
+            def do_HEAD(self) -> None:  # load balancers' and uptime checkers' probes: GET's status and headers
+                self._answer(with_body=False)
+
+            def _refuse(self) -> None:
+                self._send(405, "text/plain; charset=utf-8", b"method not allowed: GET or HEAD\n", True, "GET, HEAD")
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse
+
+            def _answer(self, with_body: bool) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     body, ctype, code = generate_latest(reg), CONTENT_TYPE_LATEST, 200
@@ -315,11 +326,17 @@ class MetricsServer(BackgroundHTTPServer):
                     body, ctype, code = (why + "\n").encode(), "text/plain; charset=utf-8", 200 if ok else 503
                 else:
                     body, ctype, code = b"not found\n", "text/plain; charset=utf-8", 404
+                self._send(code, ctype, body, with_body)
+
+            def _send(self, code: int, ctype: str, body: bytes, with_body: bool, allow: str | None = None) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                if allow:
+                    self.send_header("Allow", allow)
                 self.end_headers()
-                self.wfile.write(body)
+                if with_body:
+                    self.wfile.write(body)
 
             def log_message(self, format: str, *args: object) -> None:  # quiet: structlog does logging
                 pass

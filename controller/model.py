@@ -322,6 +322,11 @@ def _prompt_bins(p: float, sd: float | None) -> tuple[tuple[float, float], ...]:
     return tuple((1.0 / m, p * m * (hi - lo)) for lo, hi in itertools.pairwise(cdf))
 
 
+# What no request can be: no model reads or writes this many tokens. A mean or spread past it
+# is a glitch (a counter that jumped, a cell with a stray exponent), never a workload.
+MAX_TOKENS_PER_REQUEST = 10_000_000.0
+
+
 @dataclass(frozen=True)
 class Workload:
     """Request shape: mean prompt tokens P (C of them from the prefix cache), mean generated
@@ -614,11 +619,12 @@ def _sweep(
     the wait coefficients (r0, r1, r2) on each: R(B) = ½·Δ(B)·(τ(B) + q·Δ(B)) of :func:`_with_wait`
     (``prompt_q`` = q = E[Δ²]/E[Δ]²),
     the segments' ends (the last one +inf, for bisection), the highest throughput B/T(B) up to
-    each segment's end, and the (batch, throughput) where it peaks.
+    each segment's end, the (batch, throughput) where it peaks, and each segment's
+    (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1) in one row (the chain's table, :func:`_chain_rates`).
     """
     m = steps + PREFILL_WAIT_STEPS
     s0, s1, d0, d1 = lines_at_0
-    segments, lines, waits, ends, reach = [], [], [], [], []
+    segments, lines, waits, ends, reach, rows = [], [], [], [], [], []
     best_b = best_h = top = lo = 0.0
     for at, w, is_step in (*hinges, (math.inf, 0.0, True)):
         if at > lo:  # the segment [lo, at) ends here
@@ -634,6 +640,7 @@ def _sweep(
                 0.5 * d1 * (s1 + prompt_q * d1),
             )
             waits.append((r0, r1, r2))
+            rows.append((c0, c1, c2, r0, r1, r2, s0, s1, d0, d1))  # the chain's table (_chain_rates)
             # B/T(B) on the segment peaks at its end or near √(c0/c2) inside (exactly there
             # without the wait, which is small beside X: the envelope moves the peak, not its value).
             bstar = math.sqrt(c0 / c2) if c2 > 0.0 and c0 > 0.0 else hi
@@ -657,7 +664,7 @@ def _sweep(
             s0, s1 = s0 - w * at, s1 + w
         else:
             d0, d1 = d0 - w * at, d1 + w
-    return tuple(segments), tuple(lines), tuple(waits), tuple(ends), tuple(reach), best_b, best_h
+    return tuple(segments), tuple(lines), tuple(waits), tuple(ends), tuple(reach), best_b, best_h, rows
 
 
 def _fixed_point_on(lam: float, c0: float, c1: float, c2: float) -> float:
@@ -1078,6 +1085,7 @@ class _ChainTerms(NamedTuple):
     mean_prompt: float
     q: float  # what the curve keeps (1.0 without prompts)
     phi: float  # the others' share decoding (decoding_share; 1.0 without prompts)
+    table: list  # per segment (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1): the chain's states read it
 
 
 def _line_at(line: tuple[float, float, Sequence[Hinge]], batch: float) -> float:
@@ -1144,7 +1152,7 @@ def _chain_terms(
     scaled = ((at / phi, w * phi, True) for at, w, _ in decode_hinges if at < bound * phi)
     hinges = sorted([*step_hinges, *scaled, *prompt_hinges])
     q = _prompt_cost_q(terms, nodes) if p > 0 else 1.0
-    segments, lines, waits, ends, reach, peak_b, peak_h = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
+    segments, lines, waits, ends, reach, peak_b, peak_h, rows = _sweep((s0, s1, d0, d1), hinges, steps, bound, q)
     table = model.verify_staircase_on if sd else model.decode_staircase_off
     budget = model.max_num_batched_tokens
     return _ChainTerms(
@@ -1169,6 +1177,7 @@ def _chain_terms(
         mean_p,
         q,
         phi,
+        rows,
     )
 
 
@@ -1649,11 +1658,17 @@ def _chain_rates(curves: Sequence[_ChainTerms]) -> list[tuple[np.ndarray, float,
     # Each state's segment: its (c0, c1, c2, r0, r1, r2, τ0, τ1, Δ0, Δ1), every curve's segments
     # in one table, taken into one contiguous row per curve and column (strided rows cost the
     # arithmetic below twice as much).
-    table = np.array([s[2:] + w + ln for c in curves for s, w, ln in zip(c.segments, c.waits, c.lines, strict=True)])
-    which, start = np.empty((rows, top), dtype=np.intp), 0
-    for row, c in enumerate(curves):
-        np.add(np.searchsorted(c.ends, others), start, out=which[row])
-        start += len(c.segments)
+    table = np.array([row for c in curves for row in c.table])
+    # State B's segment is the first ending at or above it: each segment holds the states up
+    # to its end not held by the one before (counted in floats, as bisect would compare them).
+    held = []
+    for c in curves:
+        below = 0
+        for end in c.ends:
+            upto = top if end >= top - 1 else math.floor(end) + 1 if end >= 0.0 else 0
+            held.append(upto - below)
+            below = upto
+    which = np.repeat(np.arange(len(held)), held).reshape(rows, top)
     c0, c1, c2, r0, r1, r2, s0, s1, d0, d1 = table.T.take(which, axis=1)
     x = c0 + b * (c1 + b * c2)
     b4r = r0 + b * (r1 + b * r2)

@@ -15,10 +15,10 @@ import re
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from controller.config import (
@@ -84,6 +84,20 @@ class Settings(
         frozen=False,
         coerce_numbers_to_str=True,  # `replica_id: 1` in YAML is the string an env var gives
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_yes_no_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number given as true/false (YAML's ``draft_length: yes``, ``--set draft_length=true``)
+        is a slip, not 1 or 0, which pydantic's lax mode would read it as."""
+        field = cls.model_fields[info.field_name]
+        numeric = {field.annotation, *get_args(field.annotation)} & {int, float}
+        values = value if isinstance(value, list) else [value]
+        slip = next((v for v in values if isinstance(v, bool)), None) if numeric else None
+        if slip is not None:
+            within = " (in the list)" if isinstance(value, list) else ""
+            raise ValueError(f"{str(slip).lower()}{within} is a yes/no value, not a number")
+        return value
 
     def group(self, name: str) -> BaseModel:
         """The values of one group of :data:`GROUPS`."""

@@ -115,6 +115,28 @@ def test_served_over_http_and_parsed_back():
         sick.stop()
 
 
+def test_head_probes_get_gets_status_and_headers_and_other_methods_405():
+    reg = CollectorRegistry()
+    Exporter(reg).record(1.0, ControllerState(applied_enabled=False), D, A, None, None, ())
+    health = {"ok": True}
+    server = MetricsServer(reg, "127.0.0.1", 0, lambda: (health["ok"], "why")).start()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        got = requests.get(f"{base}/metrics", timeout=5)
+        head = requests.head(f"{base}/metrics", timeout=5)
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["Content-Type"] == got.headers["Content-Type"]
+        assert int(head.headers["Content-Length"]) > 1000  # the exposition's length, not an error page's
+        health["ok"] = False
+        assert requests.head(f"{base}/healthz", timeout=5).status_code == 503
+        assert requests.head(f"{base}/nope", timeout=5).status_code == 404
+        for method in ("POST", "PUT", "DELETE"):
+            r = requests.request(method, f"{base}/metrics", data=b"x", timeout=5)
+            assert r.status_code == 405 and r.headers["Allow"] == "GET, HEAD", method
+    finally:
+        server.stop()
+
+
 def test_prediction_gauges_go_absent_when_data_turns_bad():
     from dataclasses import replace
 

@@ -369,6 +369,25 @@ def test_yaml_switch_words_and_numbers_read_as_the_settings_mean(tmp_path, monke
     assert load_settings(None, calibration_file="example", expected_peak_rps=None).expected_peak_rps is None
 
 
+@pytest.mark.parametrize(
+    ("text", "overrides", "message"),
+    [
+        ("draft_length: yes\n", {}, "setting draft_length .*: true is a yes/no value, not a number"),
+        ("", {"draft_length": True}, "setting draft_length .*: true is a yes/no value"),  # --set draft_length=true
+        ("", {"dwell_s": False}, "setting dwell_s .*: false is a yes/no value"),
+        ("draft_length_candidates: [2, true]\n", {}, r"draft_length_candidates .*: true \(in the list\) is a yes/no"),
+    ],
+)
+def test_a_number_given_as_yes_or_no_is_refused_not_read_as_1_or_0(tmp_path, text, overrides, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(path if text else None, calibration_file="example", **overrides)
+    # a switch stays a switch, a number a number
+    s = load_settings(None, calibration_file="example", adapt_draft_length=True, draft_length=3)
+    assert s.adapt_draft_length is True and s.draft_length == 3
+
+
 def test_a_state_file_with_an_endless_integer_is_set_aside(tmp_path):
     path = tmp_path / "state.json"
     path.write_text('{"version": 1, "last_change_at": ' + "9" * 400 + "}")
@@ -479,3 +498,33 @@ def test_rows_dropped_for_a_wrong_kv_cache_row_name_that_row(tmp_path):
     rows, _ = cal_mod.read_bench_csv(path)
     with pytest.raises(InputError, match=r"row\(s\) were dropped as past the KV cache of .*g0\.csv:\d+ \(1 tokens\)"):
         cal_mod.fit_phases(rows, warmup=0)
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])
+def test_a_reader_that_leaves_early_ends_predict_quietly(as_json):
+    rates = ",".join(str(i / 10) for i in range(1, 150))  # ~600 KB of JSON: past any pipe's buffer
+    argv = [sys.executable, "-m", "controller.cli", "predict", "--rates", rates, "--draft-lengths", "1,2,3,4,5,6"]
+    proc = subprocess.Popen(
+        argv + (["--json"] if as_json else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+    )
+    assert proc.stdout.read(10)  # what `| head -c 10` reads, then it goes
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    "column", ["gen_tokens_std", "prompt_tokens_std", "mean_prompt_tokens", "running_context_tokens"]
+)
+def test_a_load_test_length_past_any_servers_is_refused_with_its_line(tmp_path, column):
+    lines = (ROOT / "bench/results/fidelity-h100/load-chat.csv").read_text().splitlines()
+    at = lines[0].split(",").index(column)
+    cells = lines[3].split(",")
+    cells[at] = "1e200"  # squared on its way to a spread: inf, and validate printed nan
+    path = tmp_path / "load.csv"
+    path.write_text("\n".join([*lines[:3], ",".join(cells), *lines[4:]]) + "\n")
+    with pytest.raises(InputError, match=rf"load\.csv:4: column {column}: 1e\+200 tokens a request is past any"):
+        cal_mod.read_load_csv(path)
+    proc = cli("validate", str(ROOT / "bench/results/fidelity-h100/calibration.json"), str(path))
+    assert f"load.csv:4: column {column}" in one_line_error(proc)

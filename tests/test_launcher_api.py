@@ -77,7 +77,7 @@ class Launcher:
         return self.session.post(
             self.server.url + "/admin/speculative",
             data=data,
-            headers=self.headers(token),
+            headers={**self.headers(token), "Content-Type": "application/json"},
             timeout=5,
         )
 
@@ -179,6 +179,21 @@ def test_no_token_configured_means_open(start_launcher):
     launcher = start_launcher(token=None)
     r = launcher.session.get(launcher.server.url + "/admin/status", timeout=5)
     assert r.status_code == 200
+
+
+def test_a_switch_not_sent_as_json_is_refused_even_without_a_token(start_launcher):
+    """What a web page can send to another origin without a preflight: a form or text/plain."""
+    launcher = start_launcher(token=None)
+    launcher.wait_phase("ready")
+    url = launcher.server.url + "/admin/speculative"
+    body = json.dumps({"enabled": False})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"Content-Type": ctype} if ctype else {}
+        r = launcher.session.post(url, data=body, headers=headers, timeout=5)
+        assert r.status_code == 415 and "application/json" in r.json()["error"], ctype
+    assert launcher.status()["applied"]["enabled"] is True and launcher.status()["restart_count"] == 0
+    r = launcher.session.post(url, data=body, headers={"Content-Type": "Application/JSON; charset=utf-8"}, timeout=5)
+    assert r.status_code == 202
 
 
 def test_unknown_paths_and_methods(start_launcher):

@@ -79,12 +79,10 @@ def check_model(model: LatencyModel, s: Settings, where: object) -> None:
         )
 
 
-def build(
-    args: argparse.Namespace, settings: Settings | None = None, clock=time.time, warn_example: bool = True
-) -> Controller:
+def build(args: argparse.Namespace, settings: Settings | None = None, clock=time.time) -> tuple[Controller, bool]:
     """Everything ``run`` needs, from args and environment; ConfigError names the setting.
 
-    ``warn_example``: log that the calibration is the shipped example (``run`` does it itself,
+    Returns the controller and whether its calibration is the shipped example (``run`` warns
     once the exporter listens: its port is the last check that can refuse the start)."""
     s = settings or load_settings(args.config, **_overrides(args))
     if not s.calibration_file:
@@ -129,22 +127,20 @@ def build(
         learner=Learner.from_settings(s, model),
         gate=gate,
     )
-    if cal.example and warn_example:  # after every check, so a config error stays the only line on stderr
-        log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
-    return controller
+    return controller, cal.example
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, **_overrides(args))
         configure_logs(settings.log_format, settings.log_level)
-        controller = build(args, settings, warn_example=False)
+        controller, example = build(args, settings)
     except (ConfigError, InputError) as exc:
         print(f"sd-controller run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    def warn_example() -> None:
-        if cal_mod.load(calibration_path(settings.calibration_file)).example:
+    def warn_example() -> None:  # after every check, so a config error stays the only line on stderr
+        if example:
             log.warning("example_calibration", detail="the shipped EXAMPLE calibration is not a measurement")
 
     if args.once:

@@ -5,7 +5,10 @@
     POST /admin/speculative  {"enabled": bool, "num_speculative_tokens": int?, ...}
 
 Every /admin call needs ``Authorization: Bearer <token>`` (constant-time compare). The
-token is never logged, echoed or put in an error.
+token is never logged, echoed or put in an error. A switch's body must come as
+``Content-Type: application/json``: a web page can send a form or ``text/plain`` to another
+origin without asking, never JSON, so a launcher run with ``--insecure-no-token`` cannot be
+switched by a page its host's browser opens.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif not self._authorized():
             return
         elif path == "/admin/speculative":
-            self._switch(body)
+            if self._json_body():
+                self._switch(body)
         elif path == "/admin/status":
             self._send(HTTPStatus.METHOD_NOT_ALLOWED, {"error": "use GET"})
         else:
@@ -125,6 +129,15 @@ class _Handler(BaseHTTPRequestHandler):
         if not outcome.changed:
             log.info("switch_noop", applied=outcome.snapshot["applied"], **request.log_fields())
         self._send(status, {"changed": outcome.changed, **outcome.snapshot})
+
+    def _json_body(self) -> bool:
+        media = (self.headers.get("Content-Type") or "").partition(";")[0].strip().lower()
+        if media == "application/json":
+            return True
+        log.info("switch_rejected", status=415, content_type=media[:64] or None)
+        error = {"error": "the body must be JSON, sent as Content-Type: application/json"}
+        self._send(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, error)
+        return False
 
     def _authorized(self) -> bool:
         if token_matches(self.server.token, self.headers.get("Authorization")):

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import requests
 
+from controller.model import MAX_TOKENS_PER_REQUEST
 from controller.observation import ObserveResult
 
 # What an HTTP source retries once: refused, timed out, or a body cut off mid-transfer
@@ -23,9 +24,8 @@ TRANSIENT_HTTP_ERRORS = (requests.ConnectionError, requests.Timeout, requests.ex
 # of them, and reading it all could exhaust the sidecar's memory.
 MAX_BODY_BYTES = 32 * 2**20
 
-# What no request can be: no model reads or writes this many tokens, and no server keeps one
-# request this long. A mean past them is a glitch (a counter that jumped), never a workload.
-MAX_TOKENS_PER_REQUEST = 10_000_000.0
+# What no request can be (MAX_TOKENS_PER_REQUEST: the model's bound on a request's tokens), and
+# no server keeps one request this long. A mean past them is a glitch, never a workload.
 MAX_E2E_LATENCY_S = 30 * 86400.0
 # A probability read as a ratio of counters may overshoot 1 by rounding, never by more.
 PROBABILITY_SLACK = 1e-6
