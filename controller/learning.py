@@ -36,7 +36,7 @@ from controller.errors import ConfigError
 from controller.evidence import EvidenceRecord, Excluded, FileEvidenceStore, MemoryEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
 from controller.model import LatencyModel, curves, mode_curve_for, predict_point
-from controller.observation import Observation
+from controller.observation import Observation, steady_load
 from controller.settings import Settings
 from controller.state import ControllerState
 
@@ -44,7 +44,6 @@ log = structlog.get_logger("sd_controller.learning")
 
 SAVE_EVERY = 5  # posterior writes: every this many updates
 DRIFT_FORGET_SPEEDUP = 8.0  # how much faster the posterior forgets while the error is beyond threshold
-STEADY_TOLERANCE = 0.1  # the load counts as steady within ±10 % (plus Poisson noise) of its long mean
 RHO_MAX = 0.95  # utilization beyond which a window teaches next to nothing (1/(1 − ρ) = 20)
 
 
@@ -320,30 +319,6 @@ class Learner:
         en = a.acceptance.accepted_length if on else None
         curve = mode_curve_for(model, on, a.acceptance.alpha, a.draft_length, a.workload, en)
         return curve.latency_s(float(obs.arrival_rate_rps or 0.0))
-
-
-def steady_load(
-    rate_rps: float,
-    long_rps: float | None,
-    peak_rps: float | None,
-    window_s: float,
-    tolerance: float = STEADY_TOLERANCE,
-) -> bool:
-    """Whether the load held still over the long window: the short window's rate and the
-    highest one within the long window both lie within ``tolerance`` (plus two Poisson
-    standard deviations of a window's count) of the long window's mean.
-
-    The model predicts the latency of a load that stays; a window after a step or inside an
-    oscillation measures a queue filling or emptying. Fitted as if it were stationary, such
-    windows drag the factors far off (an oscillating load made a slower fixed cost and a faster
-    per-token one "explain" its latencies, and SD looked 1.45× better than it was).
-    """
-    if long_rps is None or long_rps <= 0:
-        return True  # no long window to compare with: nothing says it moved
-    band = tolerance * long_rps + 2.0 * math.sqrt(long_rps / max(window_s, 1e-9))
-    if abs(rate_rps - long_rps) > band:
-        return False
-    return peak_rps is None or peak_rps - long_rps <= band
 
 
 def heavy_traffic_inflation(rate_rps: float, limit_rps: float, rho_max: float = RHO_MAX) -> float:

@@ -23,6 +23,7 @@ class FailureReason(StrEnum):
     WARMING_UP = "warming_up"  # not enough history yet for a rate
     INCOMPLETE = "incomplete"  # a required field is missing
     IMPLAUSIBLE = "implausible"  # parses, but cannot be true (a counter going back, a rate no server serves)
+    STALLED = "stalled"  # requests in the server, and no token produced over the rate window
 
 
 @dataclass(frozen=True)
@@ -104,3 +105,50 @@ class Observation:
 
 
 ObserveResult = Observation | ObservationFailure
+
+
+# --------------------------------------------------------------------------------------------
+# The load an observation's windows describe
+# --------------------------------------------------------------------------------------------
+STEADY_TOLERANCE = 0.1  # the load counts as steady within ±10 % (plus Poisson noise) of its long mean
+
+
+def _band(long_rps: float, window_s: float, tolerance: float) -> float:
+    """How far a short window's rate strays from the long mean by ``tolerance`` and two Poisson
+    standard deviations of the window's count."""
+    return tolerance * long_rps + 2.0 * math.sqrt(long_rps / max(window_s, 1e-9))
+
+
+def steady_load(
+    rate_rps: float,
+    long_rps: float | None,
+    peak_rps: float | None,
+    window_s: float,
+    tolerance: float = STEADY_TOLERANCE,
+) -> bool:
+    """Whether the load held still over the long window: the short window's rate and the
+    highest one within the long window both lie within ``tolerance`` (plus two Poisson
+    standard deviations of a window's count) of the long window's mean.
+
+    The model predicts the latency of a load that stays; a window after a step or inside an
+    oscillation measures a queue filling or emptying. Fitted as if it were stationary, such
+    windows drag the factors far off (an oscillating load made a slower fixed cost and a faster
+    per-token one "explain" its latencies, and SD looked 1.45× better than it was).
+    """
+    if long_rps is None or long_rps <= 0:
+        return True  # no long window to compare with: nothing says it moved
+    band = _band(long_rps, window_s, tolerance)
+    if abs(rate_rps - long_rps) > band:
+        return False
+    return peak_rps is None or peak_rps - long_rps <= band
+
+
+def load_fell(
+    rate_rps: float | None, long_rps: float | None, window_s: float, tolerance: float = STEADY_TOLERANCE
+) -> bool:
+    """Whether the short window's rate lies below the long window's mean by more than
+    :func:`steady_load`'s band: a heavier load ran minutes ago, and a window mean of latency
+    still holds requests that saw it (a drop to idle leaves the last minutes' latency behind)."""
+    if rate_rps is None or long_rps is None or long_rps <= 0:
+        return False
+    return long_rps - rate_rps > _band(long_rps, window_s, tolerance)

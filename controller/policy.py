@@ -28,7 +28,7 @@ from controller.assessment import AcceptanceSource, Assessment, pessimistic_spee
 from controller.config import OverrideMode, PolicyConfig
 from controller.events import Event, EventKind
 from controller.hooks.base import HookPhase, HookStatus
-from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult
+from controller.observation import FailureReason, Observation, ObservationFailure, ObserveResult, load_fell
 from controller.risk import (
     HISTORY_BUCKET_S,
     in_startup_hold,
@@ -580,7 +580,10 @@ def safety_net(
     """Model-free checks with SD on; counts consecutive ticks in the state.
 
     * **observed SD harm**: the observed mean latency exceeds ``sd_harm_margin`` times what the
-      (corrected) model predicts for SD *off* at the same load;
+      (corrected) model predicts for SD *off* at the same load. Not while the load is falling
+      (:func:`observation.load_fell`): the latency is a window mean over minutes, and after a
+      drop it still holds requests that met the heavier load, against a prediction at the lighter
+      one (a drop to idle read as harm and disabled SD where it pays most);
     * **queue growth**: vLLM's waiting queue is non-empty and grows tick after tick.
 
     Each trips after ``safety_net_ticks`` ticks in a row. Ticks with SD off, during the settle
@@ -601,6 +604,7 @@ def safety_net(
         and math.isfinite(off)
         and observed > settings.sd_harm_margin * off
         and _little_consistent(obs, observed)
+        and not load_fell(rate, obs.arrival_rate_long_rps, settings.rate_window_s)
     )
     harm_ticks = state.sd_harm_ticks + 1 if harm else 0
     waiting, last = obs.waiting, state.last_waiting

@@ -12,10 +12,10 @@ from controller.calibration import load
 from controller.correction import scaled_model
 from controller.evidence import Excluded, FileEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
-from controller.learning import SAVE_EVERY, FilePosteriorStore, Learner, heavy_traffic_inflation, steady_load
+from controller.learning import SAVE_EVERY, FilePosteriorStore, Learner, heavy_traffic_inflation
 from controller.loop import Controller
 from controller.model import Workload, curves
-from controller.observation import Observation
+from controller.observation import Observation, steady_load
 from controller.settings import OverrideMode, Settings
 from controller.shipped import example_calibration_path
 from controller.state import ControllerState

@@ -70,6 +70,24 @@ def test_observed_harm_must_agree_with_littles_law(name, observations, expected_
     assert all(d[0] is Action.NONE for d in decisions[:-1]), name
 
 
+@pytest.mark.parametrize(
+    ("name", "observations", "expected_last"),
+    [
+        # The latency is a window mean over minutes: after a drop it still holds requests that met
+        # the heavier load, against a prediction at the lighter one.
+        ("a drop from 12 to 5 req/s", harm(3, arrival_rate_long_rps=12.0), STEADY),
+        ("a drop to idle, nothing in the server", harm(3, latency=3.5, rate=0.0, arrival_rate_long_rps=10.0,
+                                                       running=0.0, waiting=0.0), STEADY),
+        # within the long mean's band (10 % and two Poisson sd of a minute's count): steady, harm
+        ("steady, the long mean a little higher", harm(3, arrival_rate_long_rps=5.5), HARM),
+        ("a rising load", harm(3, arrival_rate_long_rps=3.0), HARM),
+    ],
+)  # fmt: skip
+def test_observed_harm_is_not_read_off_a_load_that_fell(name, observations, expected_last):
+    decisions, _ = run(S, on_state(), observations)
+    assert decisions[-1] == expected_last, name
+
+
 def test_an_inconsistent_tick_breaks_the_harm_run():
     # Two real harm ticks, one glitch the server's queue cannot carry, one more harm tick: the
     # run restarts at the glitch, so three ticks in a row are never reached.
@@ -380,3 +398,31 @@ def test_a_non_utf8_override_file_does_not_fail_ticks(tmp_path):
     res = run_ticks(ctl, clock, vllm, rate=1, n=3)
     assert all(r.decision.reason is not Reason.OVERRIDE for r in res) and hook.requests == []
     assert ctl.healthy() == (True, "ok")
+
+
+# --- 5. an engine that stalls while /metrics answers -----------------------------------------
+
+
+def test_a_hung_engine_holds_the_loop_instead_of_reading_as_queue_growth_under_sd():
+    """A GPU fault or a hung collective: the gauges stay up, the API server queues the arrivals,
+    no counter moves. Read as a load, the growing queue tripped the safety net, which disabled
+    SD (a restart blamed on SD) and remembered SD as congested at this rate for hours."""
+    ctl, clock, vllm, hook, registry = make()
+    ctl.tick()  # warming up
+    vllm.set_gauges(running=20, waiting=0)
+    assert all(r.decision.action is Action.NONE for r in run_ticks(ctl, clock, vllm, rate=8, n=10))
+    results = []
+    for k in range(12):
+        clock.t += 60
+        vllm.set_gauges(running=20, waiting=480 * (k + 1))  # 8 req/s queued, none served
+        results.append(ctl.tick())
+    assert hook.requests == []
+    # Every tick held from the first: the minute since the last scrape produced nothing.
+    assert all(r.decision.reason is Reason.OBSERVATION and r.decision.detail == "stalled" for r in results)
+    assert "20 running and 5760 waiting, no token produced" in results[-1].observation.detail
+    assert registry.get_sample_value("sd_controller_observation_failures_total", {"reason": "stalled"}) == 12
+    assert ctl.state.sd_congested_rate_rps is None
+    # It recovers (an operator restarts it, or it unsticks): served again, decided again.
+    vllm.set_gauges(running=20, waiting=0)
+    after = run_ticks(ctl, clock, vllm, rate=8, n=2)
+    assert all(r.decision.reason is not Reason.OBSERVATION for r in after), [r.decision for r in after]

@@ -534,3 +534,61 @@ def test_a_prometheus_body_past_the_cap_is_a_failure(chunked):
     finally:
         server.close()
     assert held(o, FailureReason.PARSE_ERROR, f"over {MAX_BODY_BYTES} bytes"), o
+
+
+# ----------------------------------------------------------------------------- a stalled engine
+
+
+def stalled_run(hang: Callable[[FakeVllmServer, int], None], mutate: Callable[[str], str] | None = None):
+    """Ten minutes of steady SD traffic scraped every 15 s, then ``hang(fake, k)`` before the
+    k-th of 12 more scrapes, the counters left alone. The observations of those 12."""
+    clock = [T0]
+    fake = FakeVllmServer(clock=lambda: clock[0])
+    src = VllmMetricsSource(fetch=lambda: (mutate or str)(fake.render()), max_num_seqs=256, max_rate_rps=12575.0)
+    steps = 75 * 256 // 3  # 75 requests a scrape: 5 req/s
+    for i in range(40):
+        clock[0] += 15
+        fake.advance(
+            requests=75, prompt_tokens=75 * 512, gen_tokens=75 * 256, drafts=steps, draft_tokens=4 * steps,
+            accepted_tokens=int(2.4 * steps), accepted_per_pos=[steps * 0.8, steps * 0.65, steps * 0.5, steps * 0.45],
+            e2e_latency_s=2.0,
+        )  # fmt: skip
+        fake.set_gauges(running=10, waiting=0)
+        o = src.observe(clock[0])
+        assert isinstance(o, Observation) or (i == 0 and o.reason is FailureReason.WARMING_UP), o
+    out = []
+    for k in range(12):
+        clock[0] += 15
+        hang(fake, k)
+        out.append(src.observe(clock[0]))
+    return out
+
+
+def test_a_hung_engine_is_held_as_stalled_not_read_as_a_queue_of_arrivals():
+    # vLLM's API server keeps queueing requests (5 req/s) while its engine produces nothing.
+    out = stalled_run(lambda fake, k: fake.set_gauges(running=10, waiting=75 * (k + 1)))
+    # The rate window (60 s) still holds progress for the first 3 scrapes; from the 4th none.
+    assert all(isinstance(o, Observation) for o in out[:3]), out[:3]
+    assert all(isinstance(o, ObservationFailure) and o.reason is FailureReason.STALLED for o in out[3:]), out[3:]
+    assert "10 running and 300 waiting, no token produced and no request completed in 60s" in out[3].detail
+
+
+def test_a_frozen_payload_with_requests_running_is_stalled_and_an_idle_one_is_a_load_of_zero():
+    frozen = stalled_run(lambda fake, k: None)  # byte-identical: 10 running, nothing moves
+    assert [o.reason for o in frozen[3:]] == [FailureReason.STALLED] * 9, frozen
+    idle = stalled_run(lambda fake, k: fake.set_gauges(running=0, waiting=0) if k == 0 else None)
+    assert all(isinstance(o, Observation) for o in idle), idle
+    assert idle[-1].arrival_rate_rps == 0.0
+
+
+def test_a_server_without_the_token_counter_is_not_judged():
+    out = stalled_run(lambda fake, k: None, mutate=drop("vllm:generation_tokens"))
+    assert all(isinstance(o, Observation) for o in out), out
+
+
+def test_long_requests_that_complete_nothing_in_a_window_but_produce_tokens_are_not_stalled():
+    def decode_only(fake, k):  # long generations: tokens every step, no completion for minutes
+        fake.advance(gen_tokens=2000)
+        fake.set_gauges(running=10, waiting=0)
+
+    assert all(isinstance(o, Observation) for o in stalled_run(decode_only))

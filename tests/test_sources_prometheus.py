@@ -203,3 +203,25 @@ def test_running_context_per_engine_with_prefix_cache_hits(prometheus_server):
         assert observe("missing_engine")[0] is None
         # enable_prefix_caching from the same series: on only where every engine says on.
         assert caching == {"one": True, "two": False, "garbage": None, "noconfig": None, "missing_engine": None}
+
+
+def test_an_engine_that_stalls_with_requests_in_it_is_held_as_stalled(fake_vllm, prometheus_server):
+    """The real PromQL: requests in the server through the rate window and no token produced is
+    held; the same quiet with nothing in the server is a load of zero, not a stall."""
+    prom = prometheus_server({"vllm": [fake_vllm.target]})
+    fake_vllm.set_gauges(running=12, waiting=0)
+    with Traffic(fake_vllm, max_s=30):
+        prom.wait_for("sum(rate(vllm:generation_tokens_total[5s])) > 0", timeout_s=30)
+        time.sleep(6)
+        moving = source(prom).observe(time.time())
+        assert isinstance(moving, Observation) and moving.arrival_rate_rps > 0, moving
+    # The engine hangs: the gauges stay up, the queue grows, no counter moves.
+    fake_vllm.set_gauges(running=12, waiting=30)
+    time.sleep(7)  # past the 5 s rate window, scraped every second
+    held = source(prom).observe(time.time())
+    assert isinstance(held, ObservationFailure) and held.reason is FailureReason.STALLED, held
+    assert "no token produced" in held.detail
+    fake_vllm.set_gauges(running=0, waiting=0)  # an idle server: nothing waits on it
+    time.sleep(7)
+    idle = source(prom).observe(time.time())
+    assert isinstance(idle, Observation) and idle.arrival_rate_rps == 0.0, idle

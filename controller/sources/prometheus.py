@@ -92,6 +92,15 @@ DEFAULT_QUERIES: dict[str, str] = {
         "sum(rate(vllm:e2e_request_latency_seconds_sum{$SEL}[$AW]))"
         " / sum(rate(vllm:e2e_request_latency_seconds_count{$SEL}[$AW]))"
     ),
+    # A stalled engine (sources/vllm_metrics.py): requests in the server through the whole rate
+    # window, and neither a token produced nor a request completed in it.
+    "busy_min": (
+        "sum(min_over_time(vllm:num_requests_running{$SEL}[$W]))"
+        " + sum(min_over_time(vllm:num_requests_waiting{$SEL}[$W]))"
+    ),
+    "progress": (
+        "sum(increase(vllm:generation_tokens_total{$SEL}[$W])) + sum(increase(vllm:request_success_total{$SEL}[$W]))"
+    ),
     "running": "sum(vllm:num_requests_running{$SEL})",
     "waiting": "sum(vllm:num_requests_waiting{$SEL})",
     "sd_present": "count(vllm:spec_decode_num_drafts_total{$SEL})",
@@ -107,7 +116,7 @@ DEFAULT_QUERIES: dict[str, str] = {
 }
 
 
-OBSERVE_BUDGET_TIMEOUTS = 3  # one observe (about 17 queries) may take this many timeouts in all
+OBSERVE_BUDGET_TIMEOUTS = 3  # one observe (about 19 queries) may take this many timeouts in all
 
 
 def _duration(seconds: float) -> str:
@@ -272,6 +281,20 @@ class PrometheusSource:
             )
         return rate
 
+    def _check_progress(self, now: float) -> None:
+        """QueryFailed(stalled) where requests sat in the server through the rate window and
+        nothing moved; nothing where a query is empty (no token counter: not judged)."""
+        busy = self._value("busy_min", now)
+        if busy is None or not busy > 0.0:
+            return
+        progress = self._value("progress", now)
+        if progress is not None and progress == 0.0:
+            raise QueryFailed(
+                FailureReason.STALLED,
+                f"requests in the server for {_duration(self.rate_window_s)} (at least {busy:g} at every"
+                " sample) and no token produced nor request completed",
+            )
+
     def _running(self, now: float) -> float | None:
         result = self.query(self.queries["running"], now)
         if not result or not all(math.isfinite(v) for _, v in result):
@@ -351,6 +374,7 @@ class PrometheusSource:
             arrival = self._scalar("arrival_rate", now, required=True)
             arrival = self._check_rate("arrival_rate", arrival, self.rate_window_s)
             age = self._scalar("sample_age", now, required=True)
+            self._check_progress(now)
             sd_present = self._scalar("sd_present", now, required=False) is not None
             acceptance = positions = mean_draft = None
             limits = observation_limits()

@@ -19,6 +19,13 @@ such scrapes in a row the history starts over (warming up again), so a lasting s
 the controller forever. Means over the window that no request can have (a length past
 ``MAX_TOKENS_PER_REQUEST``, a latency longer than the server has been up) are held too.
 
+An engine that stalls while its HTTP server still answers (a GPU fault, a hung collective: the
+gauges stay up, the waiting queue grows as requests keep coming) or a payload frozen by a cache
+in front of it shows no token produced (``vllm:generation_tokens_total``) and no request
+completed over a whole rate window with requests in the server at every scrape of it: that is
+held as ``stalled``, never read as an arrival rate (the queue's growth), a latency or a load
+that fell to nothing. A server that does not export the token counter is not judged.
+
 A body past ``MAX_BODY_BYTES`` is a parse error, read no further; errors show the URL without
 its credentials or query string.
 
@@ -68,6 +75,7 @@ from controller.sources.kv_context import (
 )
 
 SUCCESS = "vllm:request_success"
+GEN_TOKENS = "vllm:generation_tokens"  # moves with every engine step that decodes
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -107,6 +115,7 @@ class Snapshot:
 
 _WANTED = (
     SUCCESS,
+    GEN_TOKENS,
     DRAFTS,
     DRAFT_TOKENS,
     ACCEPTED,
@@ -201,7 +210,7 @@ def _key(family: str, sample: str, labels: dict[str, str]) -> tuple[str, str] | 
         base = family.removesuffix("_created")
         inner = _key(base, base + "_total", labels) or _key(base, base + "_sum", labels)
         return ("created", inner[1]) if inner else None
-    if family in (SUCCESS, DRAFTS, DRAFT_TOKENS, ACCEPTED):
+    if family in (SUCCESS, GEN_TOKENS, DRAFTS, DRAFT_TOKENS, ACCEPTED):
         if sample.endswith("_created"):
             return "created", family
         return ("counter", family) if sample.endswith("_total") else None
@@ -600,6 +609,27 @@ class VllmMetricsSource:
         per_request = cached / done if done else None
         return per_request if per_request is not None and per_request <= MAX_TOKENS_PER_REQUEST else None
 
+    def _stalled(self, now: float) -> str | None:
+        """Why the engine looks stalled: requests in the server at every scrape of a whole rate
+        window and neither a token produced nor a request completed in it. None where it moved,
+        sat idle at some scrape, the history is shorter than the window, or the server does not
+        export the token counter (then nothing here can tell a stall from long requests)."""
+        win = self._window(now, self.rate_window_s)
+        if len(win) < 2 or win[-1].time_s - win[0].time_s < self.rate_window_s * (1.0 - 1e-9):
+            return None
+        if any(GEN_TOKENS not in s.counters for s in win):
+            return None
+        if not all(s.gauges.get(RUNNING, 0.0) + s.gauges.get(WAITING, 0.0) > 0.0 for s in win):
+            return None
+        tokens, done = increase(win, GEN_TOKENS), increase(win, SUCCESS)
+        if tokens is None or done is None or tokens > 0.0 or done > 0.0:
+            return None
+        cur = win[-1]
+        return (
+            f"{self._shown_url}: {cur.gauges.get(RUNNING, 0.0):g} running and {cur.gauges.get(WAITING, 0.0):g}"
+            f" waiting, no token produced and no request completed in {cur.time_s - win[0].time_s:.0f}s"
+        )
+
     def _e2e_limit_s(self, now: float, window_s: float) -> float:
         """The longest mean latency the window's requests can have: the server's uptime, since
         the oldest ``_created`` in the window (a restart in it leaves older requests counted)."""
@@ -612,6 +642,8 @@ class VllmMetricsSource:
         cur = self._history[-1]
         if SUCCESS not in cur.counters:
             return ObservationFailure(FailureReason.EMPTY, "vllm:request_success_total not exported")
+        if (stall := self._stalled(now)) is not None:
+            return ObservationFailure(FailureReason.STALLED, stall)
         arrival = self._arrival(now, self.rate_window_s)
         long_span = now - self._history[0].time_s
         arrival_long = self._arrival(now, self.long_window_s) if long_span >= 2 * self.rate_window_s else None
