@@ -165,6 +165,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
             a.inc("sd_toggles", direction="on" if i % 2 == 0 else "off")
             b.inc("sd_controller_change_failures")
             a.inc("sd_controller_observation_failures", reason="stalled")
+            b.inc("sd_controller_observation_failures", amount=4, reason="unreachable")  # b is blind
         a.set("sd_controller_pending_age_seconds", 0)
         prom.wait_for('up{job="sd-controller"} == 0', timeout_s=30)
         yield Stack(prom, vllm, ctl)
@@ -202,7 +203,7 @@ def test_rules_evaluate_without_errors_and_every_alert_triggers(stack: Stack) ->
     assert set(states) == {
         "SDAcceptanceLow", "SDControllerStale", "SDControllerDown", "SDRestartStuck",
         "SDPredictionDrift", "SDFlapping", "SDModelDrift", "SDRecalibrationNeeded", "SDFleetRestartsOverLimit",
-        "SDVllmStalled",
+        "SDVllmStalled", "SDObservationsFailing",
     }  # fmt: skip
     inactive = {name: s for name, s in states.items() if s not in ("pending", "firing")}
     assert not inactive, f"alerts whose condition should hold but does not: {inactive}"
@@ -210,7 +211,7 @@ def test_rules_evaluate_without_errors_and_every_alert_triggers(stack: Stack) ->
 
 def test_alerts_point_at_the_right_replica(stack: Stack) -> None:
     a, b, c, d = (stack.ctl[k].target for k in "abcd")
-    alerts = stack.prom.wait_for("ALERTS", predicate=lambda r: len(r) >= 9)
+    alerts = stack.prom.wait_for("ALERTS", predicate=lambda r: len(r) >= 10)
     where = {}
     for s in alerts:
         where.setdefault(s["metric"]["alertname"], set()).add(s["metric"]["instance"])
@@ -220,6 +221,7 @@ def test_alerts_point_at_the_right_replica(stack: Stack) -> None:
     assert where["SDModelDrift"] == {a}
     assert where["SDRecalibrationNeeded"] == {a}
     assert where["SDVllmStalled"] == {a}
+    assert where["SDObservationsFailing"] == {b}
     assert where["SDRestartStuck"] == {b}
     assert where["SDControllerDown"] == {c}
     assert where["SDFleetRestartsOverLimit"] == {b, d}
