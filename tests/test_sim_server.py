@@ -60,7 +60,10 @@ def test_admin_switch_contract(server):
                        "restart_durations_s", "child_pid", "last_error", "vllm_url"}  # fmt: skip
     assert st["applied"] == {"enabled": True, "num_speculative_tokens": 4}
     assert requests.post(url, json={"enabled": True}, headers=auth(), timeout=5).status_code == 200
-    assert requests.post(url, data=b"{nope", headers=auth(), timeout=5).status_code == 400
+    as_json = {**auth(), "Content-Type": "application/json"}
+    assert requests.post(url, data=b"{nope", headers=as_json, timeout=5).status_code == 400
+    # the launcher's contract: a body not sent as JSON is refused before it is read
+    assert requests.post(url, data=b'{"enabled": false}', headers=auth(), timeout=5).status_code == 415
     assert requests.post(url, json={"enabled": "yes"}, headers=auth(), timeout=5).status_code == 400
     r = requests.post(url, json={"enabled": False, "reason": "test"}, headers=auth(), timeout=5)
     assert r.status_code == 202 and r.json()["phase"] == "restarting"
