@@ -24,6 +24,7 @@ class FailureReason(StrEnum):
     INCOMPLETE = "incomplete"  # a required field is missing
     IMPLAUSIBLE = "implausible"  # parses, but cannot be true (a counter going back, a rate no server serves)
     STALLED = "stalled"  # requests in the server, and no token produced over the rate window
+    ASLEEP = "asleep"  # vLLM's engine is in sleep mode: a restart would wake it and take the GPU back
 
 
 @dataclass(frozen=True)

@@ -592,3 +592,34 @@ def test_long_requests_that_complete_nothing_in_a_window_but_produce_tokens_are_
         fake.set_gauges(running=10, waiting=0)
 
     assert all(isinstance(o, Observation) for o in stalled_run(decode_only))
+
+
+# ----------------------------------------------------------------------------- an engine asleep
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_an_engine_in_sleep_mode_is_held_as_asleep(level):
+    clock = [T0]
+    fake = FakeVllmServer(clock=lambda: clock[0])
+    fake.sleep_level = 0
+    src = VllmMetricsSource(fetch=fake.render, model_name="tiny", max_num_seqs=256)
+    for _ in range(3):
+        clock[0] += 60
+        fake.advance(requests=60, prompt_tokens=60 * 512, gen_tokens=60 * 256, e2e_latency_s=2.0)
+        awake = src.observe(clock[0])
+    assert isinstance(awake, Observation), awake
+    fake.sleep_level = level  # an operator freed the GPU: nothing runs, nothing arrives
+    clock[0] += 60
+    held = src.observe(clock[0])
+    assert isinstance(held, ObservationFailure) and held.reason is FailureReason.ASLEEP, held
+    assert "1 engine(s) in sleep mode" in held.detail
+    fake.sleep_level = 0
+    clock[0] += 60
+    fake.advance(requests=60, prompt_tokens=60 * 512, gen_tokens=60 * 256, e2e_latency_s=2.0)
+    assert isinstance(src.observe(clock[0]), Observation)
+
+
+def test_prometheus_an_engine_in_sleep_mode_is_held_as_asleep():
+    o = prom_observe({"asleep": [({}, "1")]})
+    assert isinstance(o, ObservationFailure) and o.reason is FailureReason.ASLEEP, o
+    assert isinstance(prom_observe({}), Observation)  # no engine asleep: the query is empty

@@ -225,3 +225,17 @@ def test_an_engine_that_stalls_with_requests_in_it_is_held_as_stalled(fake_vllm,
     time.sleep(7)
     idle = source(prom).observe(time.time())
     assert isinstance(idle, Observation) and idle.arrival_rate_rps == 0.0, idle
+
+
+def test_an_engine_put_to_sleep_is_held_as_asleep(fake_vllm, prometheus_server):
+    prom = prometheus_server({"vllm": [fake_vllm.target]})
+    fake_vllm.sleep_level = 0
+    with Traffic(fake_vllm, max_s=20):
+        prom.wait_for('vllm:engine_sleep_state{sleep_state="awake"} == 1', timeout_s=30)
+        time.sleep(2)
+        assert isinstance(source(prom).observe(time.time()), Observation)
+    fake_vllm.sleep_level = 1
+    prom.wait_for('vllm:engine_sleep_state{sleep_state="awake"} == 0', timeout_s=30)
+    for selector in ('model_name="tiny"', ""):  # the query's own matcher, with and without one of ours
+        held = PrometheusSource(prom.url, selector, rate_window_s=5).observe(time.time())
+        assert isinstance(held, ObservationFailure) and held.reason is FailureReason.ASLEEP, (selector, held)

@@ -101,6 +101,8 @@ DEFAULT_QUERIES: dict[str, str] = {
     "progress": (
         "sum(increase(vllm:generation_tokens_total{$SEL}[$W])) + sum(increase(vllm:request_success_total{$SEL}[$W]))"
     ),
+    # Engines in vLLM's sleep mode (its GPU given to something else): empty when none.
+    "asleep": 'count(vllm:engine_sleep_state{sleep_state="awake",$SEL} < 0.5)',
     "running": "sum(vllm:num_requests_running{$SEL})",
     "waiting": "sum(vllm:num_requests_waiting{$SEL})",
     "sd_present": "count(vllm:spec_decode_num_drafts_total{$SEL})",
@@ -116,7 +118,7 @@ DEFAULT_QUERIES: dict[str, str] = {
 }
 
 
-OBSERVE_BUDGET_TIMEOUTS = 3  # one observe (about 19 queries) may take this many timeouts in all
+OBSERVE_BUDGET_TIMEOUTS = 3  # one observe (about 20 queries) may take this many timeouts in all
 
 
 def _duration(seconds: float) -> str:
@@ -374,6 +376,12 @@ class PrometheusSource:
             arrival = self._scalar("arrival_rate", now, required=True)
             arrival = self._check_rate("arrival_rate", arrival, self.rate_window_s)
             age = self._scalar("sample_age", now, required=True)
+            asleep = self._value("asleep", now)
+            if asleep:
+                raise QueryFailed(
+                    FailureReason.ASLEEP,
+                    f"{asleep:g} engine(s) in sleep mode (vllm:engine_sleep_state): its GPU was given to something else",
+                )
             self._check_progress(now)
             sd_present = self._scalar("sd_present", now, required=False) is not None
             acceptance = positions = mean_draft = None

@@ -26,6 +26,10 @@ completed over a whole rate window with requests in the server at every scrape o
 held as ``stalled``, never read as an arrival rate (the queue's growth), a latency or a load
 that fell to nothing. A server that does not export the token counter is not judged.
 
+An engine put to sleep (vLLM's sleep mode: ``vllm:engine_sleep_state{sleep_state="awake"}`` 0,
+its weights offloaded so something else can use the GPU) is held as ``asleep``: a restart would
+wake it and take the GPU back from whoever was given it.
+
 A body past ``MAX_BODY_BYTES`` is a parse error, read no further; errors show the URL without
 its credentials or query string.
 
@@ -84,6 +88,7 @@ PROMPT = "vllm:request_prompt_tokens"
 GENERATION = "vllm:request_generation_tokens"
 E2E = "vllm:e2e_request_latency_seconds"
 RUNNING = "vllm:num_requests_running"
+SLEEP = "vllm:engine_sleep_state"  # one series per engine and state; "awake" 0: in sleep mode
 WAITING = "vllm:num_requests_waiting"
 MAX_IMPLAUSIBLE_STREAK = 3
 MAX_EXACT_COUNTER = 2.0**53  # past it a float counter's increments are lost in rounding
@@ -111,6 +116,7 @@ class Snapshot:
     prompt_cached: float | None = None  # vllm:prompt_tokens_cached_total, summed over engines
     # enable_prefix_caching on each engine's cache_config_info (kv_context.prefix_caching)
     prefix_caching: list[bool | None] = field(default_factory=list)
+    asleep_engines: int = 0  # engines whose vllm:engine_sleep_state{sleep_state="awake"} is 0
 
 
 _WANTED = (
@@ -122,6 +128,7 @@ _WANTED = (
     ACCEPTED_PER_POS,
     RUNNING,
     WAITING,
+    SLEEP,
     USAGE,
     CACHE_CONFIG,
     PROMPT_CACHED,
@@ -157,6 +164,15 @@ def parse_snapshot(text: str, now: float, model_name: str | None = None) -> Snap
         seen_vllm = True
         if family.name in (USAGE, CACHE_CONFIG, PROMPT_CACHED, PROMPT_CACHED + "_created"):
             _read_kv(snap, family.name, family.samples, model_name)
+            continue
+        if family.name == SLEEP:
+            snap.asleep_engines += sum(
+                1
+                for s in family.samples
+                if s.labels.get("sleep_state") == "awake"
+                and (model_name is None or s.labels.get("model_name") == model_name)
+                and not s.value > 0.5  # NaN too: an engine that cannot say it is awake is not used
+            )
             continue
         for s in family.samples:
             if model_name is not None and s.labels.get("model_name") != model_name:
@@ -642,6 +658,12 @@ class VllmMetricsSource:
         cur = self._history[-1]
         if SUCCESS not in cur.counters:
             return ObservationFailure(FailureReason.EMPTY, "vllm:request_success_total not exported")
+        if cur.asleep_engines:
+            return ObservationFailure(
+                FailureReason.ASLEEP,
+                f"{self._shown_url}: {cur.asleep_engines} engine(s) in sleep mode (vllm:engine_sleep_state):"
+                " its GPU was given to something else",
+            )
         if (stall := self._stalled(now)) is not None:
             return ObservationFailure(FailureReason.STALLED, stall)
         arrival = self._arrival(now, self.rate_window_s)

@@ -63,6 +63,7 @@ class FakeVllmServer:
         # The completion endpoints (tests set these directly).
         self.cache_config: tuple[int, int] | None = None
         self.prefix_caching: bool | None = None  # enable_prefix_caching on cache_config_info (None: no label)
+        self.sleep_level: int | None = None  # vllm:engine_sleep_state: None not exported, 0 awake, 1 or 2 asleep
         self.api_key: str | None = None
         self.prefill_s = 0.01
         self.step_s = 0.002
@@ -140,6 +141,15 @@ class FakeVllmServer:
                 f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",{apc}engine="{self.engine}",'
                 f'num_cpu_blocks="None",num_gpu_blocks="{blocks}"}} 1.0\n'
             )
+        if self.sleep_level is not None:  # vLLM 0.32's three series per engine
+            level = self.sleep_level
+            text += (
+                "# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping.\n"
+                "# TYPE vllm:engine_sleep_state gauge\n"
+            )
+            for state, on in (("awake", level == 0), ("weights_offloaded", level == 1), ("discard_all", level == 2)):
+                labels = f'engine="{self.engine}",model_name="{self.model_name}",sleep_state="{state}"'
+                text += f"vllm:engine_sleep_state{{{labels}}} {float(on)}\n"
         return text
 
     def generate(self, body: dict) -> tuple[list[int], int, int]:
