@@ -296,7 +296,18 @@ class Learner:
             return Excluded.PENDING
         # UNKNOWN is what hook_type=none (and an unreadable status) reports: the server itself
         # may be fine; a restart shows as pending, or as metrics that vanish.
-        if status.phase in (HookPhase.RESTARTING, HookPhase.STARTING, HookPhase.FAILED):
+        if status.phase in (HookPhase.RESTARTING, HookPhase.STARTING):
+            return Excluded.NOT_READY
+        # A launcher says "failed" from a rolled-back switch until the next one succeeds, while
+        # the old setting serves: not ready while the failure's backoff runs (the rollback's
+        # restart may still be in the metrics), a serving server after it. Otherwise one failed
+        # switch stopped the learning until another succeeded, hours or days later.
+        if status.phase is HookPhase.FAILED and (
+            status.applied_enabled is None
+            or status.applied_enabled != state.applied_enabled
+            or state.retry_not_before is None
+            or now < state.retry_not_before
+        ):
             return Excluded.NOT_READY
         if state.last_change_at is not None and now - state.last_change_at < s.evidence_settle_s:
             return Excluded.SETTLING

@@ -141,6 +141,22 @@ def test_a_corrupt_posterior_file_is_set_aside_with_one_log_line(tmp_path):
     assert store.set_aside.exists() and not path.exists()
 
 
+def test_a_rolled_back_switch_stops_the_learning_only_while_its_backoff_runs(tmp_path):
+    """The launcher reports "failed" after a rollback until a later switch succeeds, while the
+    old setting serves: hours of a serving server's evidence were thrown away."""
+    truth = scaled_model(BASE, (1.0, 1.4, 1.0, 1.0))
+    ctl, now = controller(SETTINGS, truth, tmp_path)
+    run(ctl, now, 3)
+    ctl.hook.phase = HookPhase.FAILED  # applied: still off, as the state says
+    ctl.state = dataclasses.replace(ctl.state, consecutive_failures=1, retry_not_before=now[0] + 300.0)
+    backoff = run(ctl, now, 4)  # the rollback's restart may still be in these minutes
+    assert {r.learned.record.excluded for r in backoff} == {Excluded.NOT_READY}
+    after = run(ctl, now, 3)
+    assert all(r.learned.record.excluded is None and r.learned.update is not None for r in after)
+    ctl.hook.enabled = True  # a FAILED status that contradicts the state is no evidence of it
+    assert run(ctl, now, 1)[0].learned.record.excluded == Excluded.NOT_READY
+
+
 def test_ticks_around_a_restart_are_recorded_but_do_not_teach(tmp_path):
     truth = scaled_model(BASE, (1.0, 1.4, 1.0, 1.0))
     ctl, now = controller(SETTINGS, truth, tmp_path)
