@@ -137,6 +137,23 @@ def _fail(state: ControllerState, settings: PolicyConfig, now: float, why: str) 
     return new, Event(EventKind.CHANGE_FAILED, why)
 
 
+def _confirm(state: ControllerState, draft_length: int | None, now: float) -> tuple[ControllerState, Event]:
+    """The pending change took effect: applied, the dwell starts, failures forgotten."""
+    p = state.pending
+    assert p is not None
+    state = dataclasses.replace(
+        state,
+        applied_enabled=p.enabled,
+        applied_draft_length=draft_length or p.draft_length,
+        last_change_at=now,
+        pending=None,
+        consecutive_failures=0,
+        retry_not_before=None,
+        low_acceptance_since=None,
+    )
+    return state, Event(EventKind.CHANGE_CONFIRMED, "on" if p.enabled else "off")
+
+
 def reconcile(
     state: ControllerState, status: HookStatus, settings: PolicyConfig, now: float
 ) -> tuple[ControllerState, tuple[Event, ...]]:
@@ -149,17 +166,8 @@ def reconcile(
     p = state.pending
     if p is not None:
         if status.phase is HookPhase.READY and status.applied_enabled == p.enabled:
-            state = dataclasses.replace(
-                state,
-                applied_enabled=p.enabled,
-                applied_draft_length=status.applied_draft_length or p.draft_length,
-                last_change_at=now,
-                pending=None,
-                consecutive_failures=0,
-                retry_not_before=None,
-                low_acceptance_since=None,
-            )
-            events.append(Event(EventKind.CHANGE_CONFIRMED, "on" if p.enabled else "off"))
+            state, ev = _confirm(state, status.applied_draft_length, now)
+            events.append(ev)
         elif status.phase is HookPhase.FAILED:
             state, ev = _fail(state, settings, now, "hook_reported_failure")
             events.append(ev)
@@ -208,11 +216,12 @@ def follow_series(
     """The run after this tick's observation (``state`` after :func:`reconcile`).
 
     Only while the hook cannot report the applied state (``applied_enabled`` None: NoHook, an
-    ExecHook before its first change, an unreadable status) and no change of ours is pending;
-    otherwise the hook's word (or the pending lock) rules and the run is empty. An unusable
-    observation, or one that cannot tell, neither counts nor breaks the run.
+    ExecHook before its first change or started on a pending lock, an unreadable status);
+    otherwise the hook's word rules and the run is empty. With a change of ours pending the run
+    can confirm it (:func:`_follow_metrics`). An unusable observation, or one that cannot tell,
+    neither counts nor breaks the run.
     """
-    if status.applied_enabled is not None or state.pending is not None:
+    if status.applied_enabled is not None:
         return SeriesRun() if run != SeriesRun() else run
     if usable(observation, settings) is not None or not isinstance(observation, Observation):
         return run
@@ -229,8 +238,17 @@ def _follow_metrics(
     the state. Nothing known yet: it is the first inference (one scrape that lacked the SD
     families must not decide it). Known otherwise: an external change (an operator restarting
     vLLM, or an earlier inference that was wrong). Returns the state, the event, and, while the
-    metrics have not agreed for long enough, why the decision should hold."""
-    if series is None or series.present is None or state.pending is not None or series.present == state.applied_enabled:
+    metrics have not agreed for long enough, why the decision should hold.
+
+    With a change of ours pending (the hook cannot say: a controller killed after starting an
+    exec hook's script, which finished without it), the metrics showing its target for
+    SERIES_AGREE_TICKS confirm it; until then the lock holds (and times out as ever)."""
+    if state.pending is not None:
+        p = state.pending
+        if series is not None and series.present is p.enabled and series.ticks >= SERIES_AGREE_TICKS:
+            return (*_confirm(state, None, now), None)
+        return state, None, None
+    if series is None or series.present is None or series.present == state.applied_enabled:
         return state, None, None
     shown = "on" if series.present else "off"
     if series.ticks < SERIES_AGREE_TICKS:

@@ -31,7 +31,7 @@ from controller.sources.vllm_metrics import VllmMetricsSource
 from controller.state import ControllerState, PendingChange
 from tests.support import LEGACY_CALIBRATION
 from tests.support.fake_vllm import FakeVllmServer
-from tests.test_loop import MODEL, Clock, make, run_ticks
+from tests.test_loop import MODEL, Clock, drive, make, run_ticks
 from tests.test_policy import AUTO, T0, assessment, obs, off_state, on_state
 from tests.test_policy_safety_net import STEADY, S, harm, run
 
@@ -127,13 +127,15 @@ def test_follow_series_counts_usable_observations_that_agree():
     ]
 
 
-def test_follow_series_is_empty_while_the_hook_reports_or_a_change_is_pending():
+def test_follow_series_is_empty_while_the_hook_reports():
     off = obs(sd_series_present=False)
     assert _series([off] * 4, statuses=[READY_ON] * 4)[-1] == SeriesRun()
     # The hook stops reporting: the run starts from scratch.
     assert _series([off] * 4, statuses=[READY_ON, READY_ON, UNKNOWN, UNKNOWN])[-1] == SeriesRun(False, 2)
+    # A change pending that the hook cannot report on: the metrics are all there is to confirm it.
     pending = on_state(pending=PendingChange(False, None, T0, "x"))
-    assert _series([off] * 4, state=pending)[-1] == SeriesRun()
+    assert _series([off] * 4, state=pending)[-1] == SeriesRun(False, 4)
+    assert _series([off] * 4, state=pending, statuses=[READY_ON] * 4)[-1] == SeriesRun()
 
 
 def _decide_series(state, presents, speedup=1.5, settings=S, start=T0, step=60.0):
@@ -201,9 +203,12 @@ def test_an_override_waits_for_the_metrics_to_agree():
          [(Action.NONE, Reason.APPLIED_UNKNOWN)] * 2 + [STEADY] + [(Action.NONE, Reason.APPLIED_UNKNOWN)] * 2),
         # The metrics agree with the state: nothing changes.
         ("agrees", off_state(), [False] * 4, 1.1, [STEADY] * 4),
-        # A change of ours is pending: its lock rules, not the metrics.
-        ("pending", on_state(pending=PendingChange(False, None, T0, "x")), [True, False, False, False], 1.5,
+        # A change of ours is pending: the metrics showing the old setting do not move it; three
+        # showing its target confirm it (the hook cannot), and the dwell starts.
+        ("pending, old setting shown", on_state(pending=PendingChange(False, None, T0, "x")), [True] * 4, 1.5,
          [(Action.NONE, Reason.PENDING)] * 4),
+        ("pending, confirmed by the metrics", on_state(pending=PendingChange(False, None, T0, "x")),
+         [True, False, False, False], 1.5, [(Action.NONE, Reason.PENDING)] * 3 + [(Action.NONE, Reason.DWELL)]),
     ],
 )  # fmt: skip
 def test_state_follows_the_metrics_while_the_hook_cannot_say(name, state, presents, speedup, expected):
@@ -426,3 +431,43 @@ def test_a_hung_engine_holds_the_loop_instead_of_reading_as_queue_growth_under_s
     vllm.set_gauges(running=20, waiting=0)
     after = run_ticks(ctl, clock, vllm, rate=8, n=2)
     assert all(r.decision.reason is not Reason.OBSERVATION for r in after), [r.decision for r in after]
+
+
+# --- 6. a controller killed with a change pending --------------------------------------------
+
+
+def test_a_controller_killed_after_starting_an_exec_hook_confirms_the_change_from_the_metrics(tmp_path):
+    """SIGKILL after the pending lock is saved and the script started: the script (its own
+    session) finishes, vLLM serves SD off. The next process's exec hook vouched for the state
+    file's old setting, so the change was never confirmed: 10 minutes pending, a failure
+    alert, and the script run a second time."""
+    import argparse
+
+    from controller.commands.run import build
+    from controller.state_store import FileStateStore
+
+    runs = tmp_path / "runs.log"
+    clock = Clock()
+    with FakeVllmServer(clock=clock, sd_enabled=False) as vllm:
+        state_file = tmp_path / "state.json"
+        FileStateStore(state_file).save(
+            ControllerState(
+                applied_enabled=True, applied_draft_length=4, last_change_at=clock.t - 3600,
+                pending=PendingChange(False, None, clock.t - 30, "queue_growth"),
+            )
+        )  # fmt: skip
+        settings = Settings(
+            calibration_file=LEGACY_CALIBRATION, vllm_metrics_url=vllm.metrics_url, state_file=state_file,
+            hook_type="exec", hook_exec_argv=["sh", "-c", f'echo "$SD_ENABLED" >> {runs}'],
+        )  # fmt: skip
+        ctl, _ = build(argparse.Namespace(dry_run=False), settings, clock=clock)
+        assert ctl.hook.status().applied_enabled is None  # the lock says its word may be stale
+        results = []
+        for _ in range(6):
+            clock.t += 60
+            drive(vllm, 16, 60)
+            results.append(ctl.tick())
+    events = [str(e) for r in results for e in r.events]
+    assert "change_confirmed:off" in events and not any(e.startswith("change_failed") for e in events), events
+    assert ctl.state.applied_enabled is False and ctl.state.pending is None
+    assert not runs.exists()  # the change was made once, by the process that died

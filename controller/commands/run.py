@@ -117,7 +117,10 @@ def build(args: argparse.Namespace, settings: Settings | None = None, clock=time
         settings=s,
         model=model,
         source=source,
-        hook=build_hook(s.hook, state.applied_enabled),
+        # A pending lock in the state file: the last process may have died after its change took
+        # effect (an exec hook's script outlives it). A hook that cannot ask must not vouch for
+        # the old setting then, or the change is never confirmed and made a second time.
+        hook=build_hook(s.hook, None if state.pending is not None else state.applied_enabled),
         clock=clock,
         state_store=store,
         dry_run=args.dry_run,
