@@ -156,3 +156,24 @@ def test_a_gateway_that_answers_nonsense_is_a_one_line_error(path, answer, needl
             c.holders()
     msg = str(err.value)
     assert msg.startswith(f"etcd {stub.url}") and needle in msg and "\n" not in msg
+
+
+def test_a_replica_whose_controller_is_gone_leaves_the_fleet_within_its_ttl(etcd_server):
+    """The replica id is the pod's name: a replaced pod's key, kept for ever, counted in the
+    fleet's size and named to move, held the fleet's plan for good."""
+    live, gone = coordinator(etcd_server, ttl_s=2), coordinator(etcd_server, ttl_s=2)
+    live.publish(ReplicaState("vllm-a", True, 1.0))
+    gone.publish(ReplicaState("vllm-old", True, 1.0))
+    assert {s.replica_id for s in live.fleet_states()} == {"vllm-a", "vllm-old"}
+    deadline = time.monotonic() + 10
+    while {s.replica_id for s in live.fleet_states()} != {"vllm-a"} and time.monotonic() < deadline:
+        live.publish(ReplicaState("vllm-a", True, 1.0))  # every tick's publish renews its own
+        time.sleep(0.5)
+    assert {s.replica_id for s in live.fleet_states()} == {"vllm-a"}
+    # A state the backend lost (keys wiped) is back with the next publish.
+    import etcd3gw
+
+    etcd3gw.Etcd3Client(host="127.0.0.1", port=etcd_server.port).delete_prefix("/t/replicas/")
+    assert live.fleet_states() == []
+    live.publish(ReplicaState("vllm-a", False, 2.0))
+    assert live.fleet_states() == [ReplicaState("vllm-a", False, 2.0)]

@@ -212,6 +212,14 @@ def test_applied_states_are_published_for_the_fleet(etcd_server):
     coord = EtcdCoordinator([etcd_server.url], prefix="/gate", ttl_s=TTL_S)
     [st] = coord.fleet_states()
     assert st.replica_id == "r1" and st.enabled is False
+    # Published every tick, changed or not: a state the backend lost is back with the next one.
+    import etcd3gw
+
+    etcd3gw.Etcd3Client(host="127.0.0.1", port=etcd_server.port).delete_prefix("/gate/replicas/")
+    assert coord.fleet_states() == []
+    ca.t += 60
+    a.tick()
+    assert [s.replica_id for s in coord.fleet_states()] == ["r1"]
 
 
 def test_the_none_backend_always_admits():

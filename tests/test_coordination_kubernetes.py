@@ -132,3 +132,16 @@ def test_the_fleet_overlays_role_allows_every_verb_the_backend_uses(lease_api):
     [rule] = role["rules"]
     assert rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"]
     assert used <= set(rule["verbs"]), used - set(rule["verbs"])
+
+
+def test_a_replica_lease_left_unrenewed_for_its_duration_leaves_the_fleet(lease_api):
+    clock = Monotonic()
+    live, gone = coordinator(lease_api.url, monotonic=clock), coordinator(lease_api.url)
+    live.publish(ReplicaState("vllm-a", True, 1.0))
+    gone.publish(ReplicaState("vllm-old", True, 1.0))
+    assert {s.replica_id for s in live.fleet_states()} == {"vllm-a", "vllm-old"}
+    for _ in range(3):  # ticks of 6 s, each renewing its own; the old pod's lease is never renewed
+        clock.t += 6
+        live.publish(ReplicaState("vllm-a", True, 1.0))
+        seen = {s.replica_id for s in live.fleet_states()}
+    assert seen == {"vllm-a"}  # unchanged for 12 s > its 10 s, by this controller's clock

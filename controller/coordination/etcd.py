@@ -4,7 +4,10 @@ Slot ``i`` is the key ``<prefix>/slots/<i>``, ``i < max_unavailable``, created o
 (a transaction comparing its create_revision with 0) and attached to a lease of ``ttl_s``: the
 slot lives exactly as long as etcd keeps the lease, which the holder renews while its restart
 runs. A holder that dies stops renewing and etcd deletes the key when the lease runs out, by
-etcd's clock alone. Replica states are plain keys ``<prefix>/replicas/<id>`` (JSON).
+etcd's clock alone. Replica states are keys ``<prefix>/replicas/<id>`` (JSON) on a lease of
+their own (the same TTL), renewed by every tick's publish: a replica whose controller is gone (a
+replaced pod: the replica id is the pod's name) leaves the fleet when etcd drops its lease,
+instead of counting in the fleet's size and being named to move for ever.
 
 The gateway's path (``/v3beta/`` on etcd 3.4, ``/v3/`` on 3.5+) is discovered by the client
 from the server's /version unless given.
@@ -73,6 +76,7 @@ class EtcdCoordinator:
         self.max_unavailable = max_unavailable
         self.ttl_s = math.ceil(ttl_s)
         self._clients: list[tuple[str, Any]] = []
+        self._presence_id: int | None = None  # the lease this replica's published state lives on
         for url in endpoints:
             p = urlsplit(url)
             if p.scheme not in ("http", "https") or not p.hostname:
@@ -165,7 +169,15 @@ class EtcdCoordinator:
 
     def publish(self, state: ReplicaState) -> None:
         body = json.dumps({"enabled": state.enabled, "published_at": state.published_at})
-        self._call("publish", lambda c: c.put(f"{self.prefix}/replicas/{state.replica_id}", body))
+
+        def go(client: Any) -> None:
+            lease = None if self._presence_id is None else self._Lease(self._presence_id, client)
+            if lease is None or lease.refresh() <= 0:  # none yet, or expired (the tick stalled)
+                lease = client.lease(ttl=self.ttl_s)
+                self._presence_id = int(lease.id)
+            client.put(f"{self.prefix}/replicas/{state.replica_id}", body, lease=lease)
+
+        self._call("publish", go)
 
     def fleet_states(self) -> list[ReplicaState]:
         def go(client: Any) -> list[ReplicaState]:

@@ -34,7 +34,6 @@ class RestartGate:
         self.replica_id = replica_id
         self.backend = backend
         self.slot: Slot | None = None
-        self._published: tuple[bool | None] | None = None
         self._waits: Counter | None = None
         self._errors: Counter | None = None
         self._held: Gauge | None = None
@@ -165,11 +164,10 @@ class RestartGate:
         self._publish(state)
 
     def _publish(self, state: ControllerState) -> None:
-        key = (state.applied_enabled,)
-        if key == self._published:
-            return
+        # Every tick, changed or not: the backend keeps a replica's state only while it is renewed
+        # (a lease), so a replica whose controller is gone leaves the fleet, and a state the
+        # backend lost (keys wiped, a restored snapshot) is back within a tick.
         try:
             self.coordinator.publish(ReplicaState(self.replica_id, state.applied_enabled, state.last_change_at or 0.0))
-            self._published = key
         except CoordinationError as exc:
             self._count_error("publish", exc)

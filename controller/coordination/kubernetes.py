@@ -227,6 +227,10 @@ class KubernetesLeaseCoordinator:
         for lease in result.items:
             if not lease.metadata.name.startswith(f"{self.prefix}-replica-"):
                 continue
+            # Every tick's publish renews it: one left unchanged for its duration (by this
+            # controller's monotonic clock) belongs to a controller that is gone.
+            if self._expired(lease.metadata.name, lease):
+                continue
             ann = lease.metadata.annotations or {}
             raw = ann.get(ENABLED_ANNOTATION)
             if raw not in ("true", "false", "none"):
