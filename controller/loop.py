@@ -321,7 +321,7 @@ class Controller:
         routing = FleetRouting(self.settings.fleet_routing)
         if routing is FleetRouting.NONE or self.gate is None:
             return decision
-        view = self.gate.fleet_view(state.applied_enabled)
+        view = self.gate.fleet_view(state.applied_enabled, now)
         if view is None:
             return decision
         decision, plan = decide_for_fleet(

@@ -255,3 +255,24 @@ def test_bad_coordination_settings_name_the_setting(kw, needle):
     with pytest.raises(ConfigError, match=needle) as err:
         build_gate(load_settings(calibration_file=LEGACY_CALIBRATION, **kw))
     assert "\n" not in str(err.value)
+
+
+def test_when_a_replica_changed_is_read_on_the_observers_clock():
+    """A replica whose clock ran an hour ahead published its change "in the future": every
+    other replica saw it within the dwell for the hour, and the fleet's plan held as long."""
+    from controller.coordination.base import ReplicaState
+    from controller.sim.coordinator import InProcessCoordinator
+
+    now = 1_800_000_000.0
+    coord = InProcessCoordinator(1, 600.0, clock=lambda: now)
+    gate = RestartGate(coord, "observer")
+    coord.publish(ReplicaState("ahead", True, now + 3600.0))  # its change, by its clock
+    coord.publish(ReplicaState("behind", False, now - 7200.0))  # changed long ago (or its clock lags)
+    _, changed = gate.fleet_view(True, now)
+    assert changed == {"ahead": now, "behind": now - 7200.0}  # the future is "now", the past as written
+    now += 400.0  # past the dwell on this clock
+    _, changed = gate.fleet_view(True, now)
+    assert changed["ahead"] == now - 400.0
+    coord.publish(ReplicaState("behind", True, now - 7000.0))  # a change seen live: it happened by now
+    _, changed = gate.fleet_view(True, now)
+    assert changed["behind"] == now

@@ -34,6 +34,7 @@ class RestartGate:
         self.replica_id = replica_id
         self.backend = backend
         self.slot: Slot | None = None
+        self._changes: dict[str, tuple[float, float]] = {}  # replica -> (its published_at, when seen here)
         self._waits: Counter | None = None
         self._errors: Counter | None = None
         self._held: Gauge | None = None
@@ -120,16 +121,33 @@ class RestartGate:
             self._set_held()
         return decision
 
-    def fleet_view(self, applied_enabled: bool | None) -> tuple[dict[str, bool | None], dict[str, float]] | None:
+    def fleet_view(
+        self, applied_enabled: bool | None, now: float | None = None
+    ) -> tuple[dict[str, bool | None], dict[str, float]] | None:
         """Every replica's published SD state and when it last changed, this replica's own as
-        it is now; None when the backend cannot say (the fleet plan then stays out of it)."""
+        it is now; None when the backend cannot say (the fleet plan then stays out of it).
+
+        When it changed is read on this controller's clock (``now``): a change seen between two
+        ticks happened by now, whatever the publisher's clock wrote; a state seen for the first
+        time keeps the publisher's time unless that lies in this clock's future. A replica whose
+        clock ran an hour ahead had its change "within the dwell" for the hour to every other
+        replica, and the fleet's plan held for as long."""
         try:
             states = self.coordinator.fleet_states()
         except CoordinationError as exc:
             self._count_error("fleet_states", exc)
             return None
         enabled = {s.replica_id: s.enabled for s in states}
-        changed = {s.replica_id: s.published_at for s in states}
+        changed = {}
+        for st in states:
+            seen = self._changes.get(st.replica_id)
+            if now is None:
+                changed[st.replica_id] = st.published_at
+                continue
+            if seen is None or seen[0] != st.published_at:
+                local = min(st.published_at, now) if seen is None else now
+                self._changes[st.replica_id] = seen = (st.published_at, local)
+            changed[st.replica_id] = seen[1]
         enabled[self.replica_id] = applied_enabled
         return enabled, changed
 
