@@ -31,7 +31,6 @@ from tests.support.stub_http import StubHttp
 
 FIXTURES = "tests/fixtures/vllm-0.32-cpu"
 T0 = 1_800_000_000.0
-STEPS = 300 * 256 // 3  # decode steps of 300 requests of 256 tokens, 3 tokens a step
 
 
 # ----------------------------------------------------------------------------- vLLM /metrics
@@ -84,6 +83,17 @@ def per_series_created(text: str) -> str:
     )
 
 
+def sd_traffic(fake: FakeVllmServer, requests: int) -> None:
+    """``requests`` SD requests of 512 prompt and 256 generated tokens finished: 3 tokens a
+    step (acceptance 0.6 of 4 drafted), 2 s each."""
+    steps = requests * 256 // 3
+    fake.advance(
+        requests=requests, prompt_tokens=requests * 512, gen_tokens=requests * 256, drafts=steps,
+        draft_tokens=4 * steps, accepted_tokens=int(2.4 * steps),
+        accepted_per_pos=[steps * 0.8, steps * 0.65, steps * 0.5, steps * 0.45], e2e_latency_s=2.0,
+    )  # fmt: skip
+
+
 def scrapes(mutate: Callable[[str], str] | None, at: set[int], n: int = 6, lifetime: int = 0, every=None):
     """A steady vLLM with SD (5 req/s, acceptance 0.6, 2 s latency), scraped each minute;
     ``mutate`` applied to the scrapes in ``at`` (and ``every`` to all). ``lifetime`` requests
@@ -108,11 +118,7 @@ def scrapes(mutate: Callable[[str], str] | None, at: set[int], n: int = 6, lifet
     out = []
     for i[0] in range(n):
         clock[0] += 60
-        fake.advance(
-            requests=300, prompt_tokens=300 * 512, gen_tokens=300 * 256, drafts=STEPS, draft_tokens=4 * STEPS,
-            accepted_tokens=int(2.4 * STEPS), accepted_per_pos=[STEPS * 0.8, STEPS * 0.65, STEPS * 0.5, STEPS * 0.45],
-            e2e_latency_s=2.0,
-        )  # fmt: skip
+        sd_traffic(fake, 300)
         fake.set_gauges(running=20, waiting=0)
         out.append(src.observe(clock[0]))
     return out[1:]
@@ -545,14 +551,9 @@ def stalled_run(hang: Callable[[FakeVllmServer, int], None], mutate: Callable[[s
     clock = [T0]
     fake = FakeVllmServer(clock=lambda: clock[0])
     src = VllmMetricsSource(fetch=lambda: (mutate or str)(fake.render()), max_num_seqs=256, max_rate_rps=12575.0)
-    steps = 75 * 256 // 3  # 75 requests a scrape: 5 req/s
     for i in range(40):
         clock[0] += 15
-        fake.advance(
-            requests=75, prompt_tokens=75 * 512, gen_tokens=75 * 256, drafts=steps, draft_tokens=4 * steps,
-            accepted_tokens=int(2.4 * steps), accepted_per_pos=[steps * 0.8, steps * 0.65, steps * 0.5, steps * 0.45],
-            e2e_latency_s=2.0,
-        )  # fmt: skip
+        sd_traffic(fake, 75)  # 5 req/s
         fake.set_gauges(running=10, waiting=0)
         o = src.observe(clock[0])
         assert isinstance(o, Observation) or (i == 0 and o.reason is FailureReason.WARMING_UP), o
