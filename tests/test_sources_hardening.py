@@ -101,12 +101,7 @@ def scrapes(mutate: Callable[[str], str] | None, at: set[int], n: int = 6, lifet
     clock = [T0]
     fake = FakeVllmServer(clock=lambda: clock[0])
     if lifetime:
-        steps = lifetime * 256 // 3
-        fake.advance(
-            requests=lifetime, prompt_tokens=lifetime * 512, gen_tokens=lifetime * 256, drafts=steps,
-            draft_tokens=4 * steps, accepted_tokens=int(2.4 * steps),
-            accepted_per_pos=[steps * 0.8, steps * 0.65, steps * 0.5, steps * 0.45], e2e_latency_s=2.0,
-        )  # fmt: skip
+        sd_traffic(fake, lifetime)
     i = [0]
 
     def fetch() -> str:
