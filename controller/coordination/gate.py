@@ -122,7 +122,7 @@ class RestartGate:
         return decision
 
     def fleet_view(
-        self, applied_enabled: bool | None, now: float | None = None
+        self, applied_enabled: bool | None, now: float
     ) -> tuple[dict[str, bool | None], dict[str, float]] | None:
         """Every replica's published SD state and when it last changed, this replica's own as
         it is now; None when the backend cannot say (the fleet plan then stays out of it).
@@ -141,9 +141,6 @@ class RestartGate:
         changed = {}
         for st in states:
             seen = self._changes.get(st.replica_id)
-            if now is None:
-                changed[st.replica_id] = st.published_at
-                continue
             if seen is None or seen[0] != st.published_at:
                 local = min(st.published_at, now) if seen is None else now
                 self._changes[st.replica_id] = seen = (st.published_at, local)
