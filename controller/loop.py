@@ -214,7 +214,7 @@ class Controller:
             decision = self.gate.admit(decision)
         if decision.acts and not self.dry_run:
             # The pending lock is saved before the hook is called (see policy.begin_request).
-            state = policy.begin_request(state, decision, now)
+            state = policy.begin_request(state, decision, now, status.restart_count)
             self.store.save(state)
             change = ChangeRequest(
                 enabled=bool(decision.desired_enabled),

@@ -154,6 +154,35 @@ def _confirm(state: ControllerState, draft_length: int | None, now: float) -> tu
     return state, Event(EventKind.CHANGE_CONFIRMED, "on" if p.enabled else "off")
 
 
+def _overtaken(p: PendingChange, status: HookStatus) -> bool:
+    """The hook serves, not our setting, after at least two restarts since our request, the
+    last a successful switch (the launcher clears ``last_error`` only then; a rollback reports
+    ``failed`` and a crash restart keeps its error): ours ran, and a later switch replaced it.
+    A lost request (a restarted launcher counts from 0) is not this: it times out."""
+    return (
+        status.phase is HookPhase.READY
+        and status.applied_enabled is not None
+        and status.applied_enabled != p.enabled
+        and status.last_error is None
+        and status.restart_count is not None
+        and p.restarts_before is not None
+        and status.restart_count >= p.restarts_before + 2
+    )
+
+
+def _adopt(state: ControllerState, status: HookStatus, now: float) -> tuple[ControllerState, Event]:
+    """Someone else switched it (an operator, a redeploy): adopt it, and count it as a change so
+    the dwell protects the freshly restarted server."""
+    state = dataclasses.replace(
+        state,
+        applied_enabled=status.applied_enabled,
+        applied_draft_length=status.applied_draft_length,
+        last_change_at=now,
+        low_acceptance_since=None,
+    )
+    return state, Event(EventKind.EXTERNAL_CHANGE, "on" if status.applied_enabled else "off")
+
+
 def reconcile(
     state: ControllerState, status: HookStatus, settings: PolicyConfig, now: float
 ) -> tuple[ControllerState, tuple[Event, ...]]:
@@ -173,6 +202,14 @@ def reconcile(
             events.append(ev)
             if status.applied_enabled is not None:
                 state = dataclasses.replace(state, applied_enabled=status.applied_enabled)
+        elif _overtaken(p, status):
+            # Our switch ran, then another one (an operator's, between two ticks): that one
+            # serves now. Waiting on would time out a change that is gone, raise a false
+            # failure, and give the operator's fresh restart a backoff instead of the dwell.
+            events.append(Event(EventKind.CHANGE_SUPERSEDED, "on" if p.enabled else "off"))
+            state = dataclasses.replace(state, pending=None)
+            state, adopted = _adopt(state, status, now)
+            events.append(adopted)
         elif now - p.issued_at > settings.pending_timeout_s:
             state, ev = _fail(state, settings, now, "timeout")
             events.append(ev)
@@ -183,16 +220,8 @@ def reconcile(
                 state, applied_enabled=status.applied_enabled, applied_draft_length=status.applied_draft_length
             )
         elif status.applied_enabled != state.applied_enabled:
-            # Someone else switched it (an operator, a redeploy): adopt it, and count it as a
-            # change so the dwell protects the freshly restarted server.
-            state = dataclasses.replace(
-                state,
-                applied_enabled=status.applied_enabled,
-                applied_draft_length=status.applied_draft_length,
-                last_change_at=now,
-                low_acceptance_since=None,
-            )
-            events.append(Event(EventKind.EXTERNAL_CHANGE, "on" if status.applied_enabled else "off"))
+            state, adopted = _adopt(state, status, now)
+            events.append(adopted)
         elif status.applied_draft_length and status.applied_draft_length != state.applied_draft_length:
             state = dataclasses.replace(state, applied_draft_length=status.applied_draft_length)
     return state, tuple(events)
@@ -725,13 +754,18 @@ def _act_on_net(settings: PolicyConfig, state: ControllerState, net: NetTrip, a:
     return out(Action.DISABLE, net.reason, detail, False, state), None
 
 
-def begin_request(state: ControllerState, decision: Decision, now: float) -> ControllerState:
+def begin_request(
+    state: ControllerState, decision: Decision, now: float, restart_count: int | None = None
+) -> ControllerState:
     """The pending lock, written *before* the hook is called: a crash then cannot leave a change
-    issued but unrecorded (at worst a pending change that times out and is retried)."""
+    issued but unrecorded (at worst a pending change that times out and is retried).
+    ``restart_count``: the hook's, this tick (a later switch is told from ours by it)."""
     assert decision.acts and decision.desired_enabled is not None
     return dataclasses.replace(
         state,
-        pending=PendingChange(decision.desired_enabled, decision.draft_length, now, decision.reason.value),
+        pending=PendingChange(
+            decision.desired_enabled, decision.draft_length, now, decision.reason.value, restart_count
+        ),
     )
 
 

@@ -20,12 +20,14 @@ STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class PendingChange:
-    """A change issued to the hook and not yet confirmed."""
+    """A change issued to the hook and not yet confirmed; ``restarts_before``: the hook's
+    restart count when it was issued (None: the hook keeps none)."""
 
     enabled: bool
     draft_length: int | None
     issued_at: float
     reason: str
+    restarts_before: int | None = None
 
 
 @dataclass(frozen=True)
@@ -176,10 +178,17 @@ def _pending(value: Any) -> PendingChange | None:
     try:
         enabled, issued_at = value["enabled"], value["issued_at"]
         draft_length, reason = value.get("draft_length"), value.get("reason", "")
+        restarts_before = value.get("restarts_before")
     except KeyError as exc:
         raise ValueError(f"pending lacks {exc.args[0]}") from None
     if not isinstance(enabled, bool) or not _finite(issued_at):
         raise ValueError("pending.enabled must be a boolean and pending.issued_at a number")
-    if draft_length is not None and (not isinstance(draft_length, int) or draft_length < 1):
+    if draft_length is not None and (
+        not isinstance(draft_length, int) or isinstance(draft_length, bool) or draft_length < 1
+    ):
         raise ValueError("pending.draft_length must be a positive integer or null")
-    return PendingChange(enabled, draft_length, float(issued_at), str(reason))
+    if restarts_before is not None and (
+        not isinstance(restarts_before, int) or isinstance(restarts_before, bool) or restarts_before < 0
+    ):
+        raise ValueError("pending.restarts_before must be a non-negative integer or null")
+    return PendingChange(enabled, draft_length, float(issued_at), str(reason), restarts_before)

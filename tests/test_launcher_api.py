@@ -18,10 +18,15 @@ import requests
 from structlog.testing import capture_logs
 
 from controller.admin_api import SdConfig
+from controller.hooks.base import ChangeRequest
+from controller.hooks.http import launcher_hook
 from controller.launcher.admin import AdminServer, token_matches
 from controller.launcher.profile import parse_profile, vllm_url
 from controller.launcher.state import load_state
 from controller.launcher.supervisor import Supervisor, SupervisorOptions, backoff_s
+from controller.policy import Action, ControllerPhase, Decision, Reason, begin_request, reconcile
+from controller.settings import Settings
+from controller.state import ControllerState
 from tests.support import fake_vllm_child
 from tests.support.waiting import pid_alive, wait_until
 
@@ -355,6 +360,23 @@ def test_child_exit_during_start_rolls_back(start_launcher, monkeypatch):
     assert "exited with status 3 while starting" in status["last_error"]
     assert status["applied"]["num_speculative_tokens"] == 4
     assert load_state(launcher.state_file) == SdConfig(True, 4)
+
+
+def test_an_operators_switch_right_after_the_controllers_replaces_its_lock(start_launcher):
+    """The controller's hook and lock against the real launcher: its disable completes and an
+    operator switches SD back on before the controller's next tick."""
+    launcher = start_launcher()
+    launcher.wait_phase("ready")
+    hook = launcher_hook(launcher.server.url, TOKEN, timeout_s=5, retries=0)
+    disable = Decision(Action.DISABLE, Reason.SPEEDUP_LOW, "x", False, None, ControllerPhase.ENABLED)
+    state = begin_request(ControllerState(applied_enabled=True), disable, 0.0, hook.status().restart_count)
+    hook.request(ChangeRequest(enabled=False, num_speculative_tokens=None, reason="x"))
+    assert launcher.wait_phase("ready")["applied"]["enabled"] is False
+    assert launcher.post({"enabled": True, "requested_by": "operator"}).status_code == 202
+    launcher.wait_phase("ready")
+    state, events = reconcile(state, hook.status(), Settings(), 120.0)
+    assert tuple(map(str, events)) == ("change_superseded:off", "external_change:on")
+    assert state.pending is None and state.applied_enabled is True and state.last_change_at == 120.0
 
 
 def test_crash_is_restarted_with_the_applied_config(start_launcher):

@@ -38,6 +38,7 @@ class FakeLauncher:
         self.requests = []
         self.fail_next = fail_next
         self.durations = []
+        self.restart_count = 0
 
     def request(self, change: ChangeRequest):
         if self.restart_until is not None:
@@ -51,13 +52,17 @@ class FakeLauncher:
             self.restart_until = None
             if self.fail_next:
                 self.fail_next = False
-                return HookStatus(HookPhase.FAILED, self.enabled, self.tokens, tuple(self.durations), "not ready")
+                self.restart_count += 2  # the attempt and the rollback
+                return HookStatus(
+                    HookPhase.FAILED, self.enabled, self.tokens, tuple(self.durations), "not ready", self.restart_count
+                )
             self.enabled = self.target.enabled
             self.tokens = self.target.num_speculative_tokens
             self.durations.append(self.restart_s)
+            self.restart_count += 1
             self.vllm.restart(sd_enabled=self.enabled)
         phase = HookPhase.RESTARTING if self.restart_until is not None else HookPhase.READY
-        return HookStatus(phase, self.enabled, self.tokens, tuple(self.durations))
+        return HookStatus(phase, self.enabled, self.tokens, tuple(self.durations), restart_count=self.restart_count)
 
 
 def drive(vllm, rate, seconds, acceptance=0.6, sd=True):
@@ -156,6 +161,28 @@ def test_failed_change_backs_off_then_retries():
     assert len(hook.requests) == 2  # retried once after the backoff, not every tick
     gap = hook.requests[1].requested_at - hook.requests[0].requested_at
     assert gap >= 300
+
+
+def test_an_operators_switch_right_after_ours_is_adopted_with_its_dwell():
+    ctl, clock, vllm, hook, reg = make()
+    ctl.tick()  # warming up
+    res = run_ticks(ctl, clock, vllm, rate=16, n=1)
+    assert res[0].decision.action.value == "disable" and ctl.state.pending.restarts_before == 0
+    # Between two ticks ours completes (SD off) and an operator switches SD back on at once.
+    clock.t += 90
+    assert hook.status().applied_enabled is False
+    hook.request(ChangeRequest(enabled=True, num_speculative_tokens=4, reason="operator"))
+    clock.t += 90
+    res = run_ticks(ctl, clock, vllm, rate=16, n=1)
+    assert tuple(map(str, res[0].events)) == ("change_superseded:off", "external_change:on")
+    assert ctl.state.pending is None and ctl.state.applied_enabled is True
+    assert ctl.state.last_change_at == res[0].now and ctl.state.consecutive_failures == 0
+    # The operator's restart gets the dwell, not a timeout ten minutes on and its backoff.
+    res = run_ticks(ctl, clock, vllm, rate=16, n=4)
+    assert {r.decision.reason.value for r in res} == {"dwell"}
+    assert not any(str(e).startswith("change_failed") for r in res for e in r.events)
+    assert reg.get_sample_value("sd_controller_change_failures_total") == 0
+    assert len(hook.requests) == 2  # ours and the operator's
 
 
 def test_controller_restart_keeps_dwell_and_pending(tmp_path):

@@ -160,6 +160,60 @@ def test_hook_reported_failure_keeps_old_state():
     assert state.applied_enabled is True and state.pending is None
 
 
+# Our disable (requested with the launcher at 5 restarts), then what its status says a tick later.
+@pytest.mark.parametrize(
+    ("restarts_before", "status", "events", "pending"),
+    [
+        # Ours ran (6) and an operator's switch back on ran after it (7): that one serves.
+        (
+            5,
+            HookStatus(HookPhase.READY, applied_enabled=True, restart_count=7),
+            ("change_superseded:off", "external_change:on"),
+            False,
+        ),
+        (
+            5,
+            HookStatus(HookPhase.READY, applied_enabled=True, restart_count=9),
+            ("change_superseded:off", "external_change:on"),
+            False,
+        ),
+        # One restart only: ours has not run yet (a launcher that lost it): the timeout decides.
+        (5, HookStatus(HookPhase.READY, applied_enabled=True, restart_count=6), (), True),
+        # The last restart was a crash restart (its error stays), not a switch.
+        (5, HookStatus(HookPhase.READY, applied_enabled=True, restart_count=7, last_error="vLLM exited"), (), True),
+        # A launcher that restarted counts from 0; a hook that keeps no count; a lock from before counts.
+        (5, HookStatus(HookPhase.READY, applied_enabled=True, restart_count=2), (), True),
+        (5, HookStatus(HookPhase.READY, applied_enabled=True), (), True),
+        (None, HookStatus(HookPhase.READY, applied_enabled=True, restart_count=7), (), True),
+        # Still switching, or ours serves: not overtaken.
+        (5, HookStatus(HookPhase.RESTARTING, applied_enabled=True, restart_count=7), (), True),
+        (5, HookStatus(HookPhase.READY, applied_enabled=False, restart_count=7), ("change_confirmed:off",), False),
+    ],
+)
+def test_a_switch_after_ours_replaces_the_lock_with_an_external_change(restarts_before, status, events, pending):
+    state = on_state(pending=PendingChange(False, None, T0, "x", restarts_before))
+    state, ev = reconcile(state, status, S, T0 + 120)
+    assert tuple(map(str, ev)) == events
+    assert (state.pending is not None) is pending
+    if events and events[0] == "change_superseded:off":
+        # The operator's restart gets the dwell, not a failure's backoff.
+        assert state.applied_enabled is True and state.last_change_at == T0 + 120
+        assert state.consecutive_failures == 0 and state.retry_not_before is None
+        d, _ = decide(S, state, obs(), assessment(0.5), AUTO, T0 + 180)
+        assert (d.action, d.reason) == (Action.NONE, Reason.DWELL)
+
+
+def test_the_lock_keeps_the_hooks_restart_count_across_the_state_file():
+    d, state = decide(S, on_state(), obs(), assessment(0.9), AUTO, T0)
+    state = begin_request(state, d, T0, restart_count=5)
+    assert state.pending.restarts_before == 5
+    assert ControllerState.from_dict(state.to_dict()).pending == state.pending
+    raw = state.to_dict()
+    raw["pending"]["restarts_before"] = -1
+    with pytest.raises(ValueError, match=r"pending\.restarts_before must be a non-negative integer"):
+        ControllerState.from_dict(raw)
+
+
 def test_success_resets_failures():
     state = on_state(pending=PendingChange(False, None, T0, "x"), consecutive_failures=3, retry_not_before=T0)
     state, _ = reconcile(state, HookStatus(HookPhase.READY, applied_enabled=False), S, T0 + 90)

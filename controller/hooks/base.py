@@ -24,13 +24,16 @@ class ChangeRequest:
 @dataclass(frozen=True)
 class HookStatus:
     """What the hook reports: the phase, the applied setting (None: unknown), the durations of
-    the last switches (oldest first) and the last error, safe to log."""
+    the last switches (oldest first), the last error, safe to log, and how many times the
+    server restarted (None: the hook cannot say; the launcher counts switches, rollbacks and
+    crash restarts)."""
 
     phase: HookPhase
     applied_enabled: bool | None = None
     applied_draft_length: int | None = None
     restart_durations_s: tuple[float, ...] = field(default_factory=tuple)
     last_error: str | None = None
+    restart_count: int | None = None
 
 
 class HookError(RuntimeError):

@@ -164,6 +164,7 @@ def parse_status(body: Any) -> HookStatus:
         applied_draft_length=applied.num_speculative_tokens if applied is not None else None,
         restart_durations_s=status.durations_s,
         last_error=status.last_error,
+        restart_count=status.restart_count if "restart_count" in body else None,
     )
 
 

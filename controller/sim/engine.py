@@ -764,4 +764,5 @@ class SimHook:
             applied_enabled=e.applied.enabled,
             applied_draft_length=e.applied.num_speculative_tokens if e.applied.enabled else None,
             restart_durations_s=tuple(e.restart_durations_s[-MAX_RESTART_DURATIONS:]),
+            restart_count=e.restart_count,
         )
