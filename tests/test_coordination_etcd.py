@@ -118,9 +118,9 @@ def test_replica_states_round_trip(etcd_server):
     a, b = coordinator(etcd_server), coordinator(etcd_server)
     a.publish(ReplicaState("r1", True, 10.0))
     b.publish(ReplicaState("r2", None, 11.0))
-    a.publish(ReplicaState("r1", False, 12.0))
+    a.publish(ReplicaState("r1", False, 12.0, "1f2e3d"))
     assert sorted(a.fleet_states(), key=lambda s: s.replica_id) == [
-        ReplicaState("r1", False, 12.0),
+        ReplicaState("r1", False, 12.0, "1f2e3d"),
         ReplicaState("r2", None, 11.0),
     ]
 

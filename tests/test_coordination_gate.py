@@ -191,8 +191,39 @@ def test_a_restarted_controller_takes_a_slot_for_its_restart_in_flight(etcd_serv
     )
     a2.state = a.state
     ha2.restart_until = 1e18
+    # Its predecessor's slot is not its own (it could be a live twin): it waits out etcd's TTL.
     a2.tick()
-    assert a2.gate.slot is not None and a2.gate.slot.holder == "r1"
+    assert a2.gate.slot is None and a2.gate._holders() == ["r1"]
+    deadline = time.monotonic() + TTL_S + 5
+    while a2.gate.slot is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        a2.tick()
+    assert a2.gate.slot is not None and a2.gate.slot.holder == a2.gate.holder and a2.gate.holder.startswith("r1#")
+    # Its predecessor's state on its key is no twin.
+    assert a2.registry.get_sample_value("sd_controller_duplicate_replica_id") == 0
+
+
+def test_two_controllers_given_one_replica_id_restart_one_at_a_time_and_say_so(etcd_server):
+    """A shared env file gives two pods one replica id: each took "its own" slot and both
+    restarted at once, past max_unavailable, unnoticed."""
+    a, ca, ha = replica(etcd_server, "r1")
+    b, cb, hb = replica(etcd_server, "r1")
+    assert a.tick().acted
+    with structlog.testing.capture_logs() as logs:
+        rb = b.tick()
+    assert not rb.acted and rb.decision.reason is Reason.SLOT_BUSY and hb.requests == []
+    for _ in range(2):  # each sees the other's writes on its key from its second tick on
+        ca.t += 10
+        cb.t += 10
+        a.tick()
+        with structlog.testing.capture_logs() as more:
+            b.tick()
+        logs += more
+    assert a.registry.get_sample_value("sd_controller_duplicate_replica_id") == 1
+    assert b.registry.get_sample_value("sd_controller_duplicate_replica_id") == 1
+    dup = [e for e in logs if e["event"] == "duplicate_replica_id"]
+    assert len(dup) == 1 and dup[0]["other_instance"] == a.gate.instance  # logged once, not every tick
+    assert len(ha.requests) == 1 and hb.requests == []
 
 
 def test_dry_run_never_asks_for_a_slot(etcd_server):

@@ -91,10 +91,10 @@ def test_a_stale_write_loses_the_race(lease_api):
 def test_replica_states_round_trip_and_bad_annotations_name_the_lease(lease_api):
     a = coordinator(lease_api.url)
     a.publish(ReplicaState("vllm-abc", True, 5.0))
-    a.publish(ReplicaState("vllm-abc", False, 6.0))
+    a.publish(ReplicaState("vllm-abc", False, 6.0, "1f2e3d"))
     a.publish(ReplicaState("vllm-def", None, 7.0))
     assert sorted(a.fleet_states(), key=lambda s: s.replica_id) == [
-        ReplicaState("vllm-abc", False, 6.0),
+        ReplicaState("vllm-abc", False, 6.0, "1f2e3d"),
         ReplicaState("vllm-def", None, 7.0),
     ]
     lease_api.leases[("llm", "sd-controller-replica-vllm-def")]["metadata"]["annotations"][

@@ -125,7 +125,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     stop = threading.Event()
     vllm = FakeVllmServer(sd_enabled=True).start()
     # a: SD on, drifting, flapping, low acceptance, stale; b: a switch stuck pending;
-    # c: scraped once, then gone (controller down); d: restarting too, beside b (one slot).
+    # c: scraped once, then gone (controller down); d: restarting too, beside b (one slot), with a twin.
     ctl = {k: FakeControllerExporter().start() for k in "abcd"}
     a, b = ctl["a"], ctl["b"]
     a.set("sd_acceptance_rate", 0.3)
@@ -144,6 +144,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     ctl["d"].set("sd_controller_pending_age_seconds", 30)
     ctl["d"].set("sd_controller_last_decision_timestamp_seconds", time.time())
     ctl["d"].state("pending")
+    ctl["d"].set("sd_controller_duplicate_replica_id", 1)
     feeder = threading.Thread(target=_feed, args=(vllm, stop), daemon=True)
     feeder.start()
     prom = PrometheusServer(
@@ -203,7 +204,7 @@ def test_rules_evaluate_without_errors_and_every_alert_triggers(stack: Stack) ->
     assert set(states) == {
         "SDAcceptanceLow", "SDControllerStale", "SDControllerDown", "SDRestartStuck",
         "SDPredictionDrift", "SDFlapping", "SDModelDrift", "SDRecalibrationNeeded", "SDFleetRestartsOverLimit",
-        "SDVllmStalled", "SDObservationsFailing",
+        "SDVllmStalled", "SDObservationsFailing", "SDDuplicateReplicaId",
     }  # fmt: skip
     inactive = {name: s for name, s in states.items() if s not in ("pending", "firing")}
     assert not inactive, f"alerts whose condition should hold but does not: {inactive}"
@@ -211,7 +212,7 @@ def test_rules_evaluate_without_errors_and_every_alert_triggers(stack: Stack) ->
 
 def test_alerts_point_at_the_right_replica(stack: Stack) -> None:
     a, b, c, d = (stack.ctl[k].target for k in "abcd")
-    alerts = stack.prom.wait_for("ALERTS", predicate=lambda r: len(r) >= 10)
+    alerts = stack.prom.wait_for("ALERTS", predicate=lambda r: len(r) >= 11)
     where = {}
     for s in alerts:
         where.setdefault(s["metric"]["alertname"], set()).add(s["metric"]["instance"])
@@ -225,6 +226,7 @@ def test_alerts_point_at_the_right_replica(stack: Stack) -> None:
     assert where["SDRestartStuck"] == {b}
     assert where["SDControllerDown"] == {c}
     assert where["SDFleetRestartsOverLimit"] == {b, d}
+    assert where["SDDuplicateReplicaId"] == {d}
     assert a in where["SDControllerStale"] and b not in where["SDControllerStale"]
 
 

@@ -248,7 +248,7 @@ def slot_holder(etcd_url: str) -> str | None:
     from controller.coordination.etcd import EtcdCoordinator
 
     holders = EtcdCoordinator([etcd_url], prefix="/fleet-e2e", ttl_s=TTL_S).holders()
-    return holders[0] if holders else None
+    return holders[0].split("#", 1)[0] if holders else None  # <replica id>#<instance>
 
 
 def test_fleet_switches_one_replica_at_a_time_through_etcd(etcd_server, tmp_path):

@@ -29,11 +29,13 @@ class Slot:
 
 @dataclass(frozen=True)
 class ReplicaState:
-    """What one replica's controller last published: the SD setting applied on its server."""
+    """What one replica's controller last published: the SD setting applied on its server, and
+    the publishing process (``instance``, fresh per controller process; "" from an older one)."""
 
     replica_id: str
     enabled: bool | None
     published_at: float
+    instance: str = ""
 
 
 class Coordinator(Protocol):

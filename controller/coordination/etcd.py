@@ -168,7 +168,7 @@ class EtcdCoordinator:
         return self._call("holders", lambda c: [h for _, h, _ in self._slots(c)])
 
     def publish(self, state: ReplicaState) -> None:
-        body = json.dumps({"enabled": state.enabled, "published_at": state.published_at})
+        body = json.dumps({"enabled": state.enabled, "published_at": state.published_at, "instance": state.instance})
 
         def go(client: Any) -> None:
             lease = None if self._presence_id is None else self._Lease(self._presence_id, client)
@@ -187,12 +187,14 @@ class EtcdCoordinator:
                 key = _text(meta["key"])
                 try:
                     doc = json.loads(_text(value))
-                    enabled, at = doc["enabled"], float(doc["published_at"])
+                    enabled, at, instance = doc["enabled"], float(doc["published_at"]), doc.get("instance", "")
                     if enabled not in (True, False, None):
                         raise ValueError("enabled is not true/false/null")
-                except (ValueError, KeyError, TypeError) as exc:
+                    if not isinstance(instance, str):
+                        raise ValueError("instance is not a string")
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
                     raise CoordinationError(f"etcd key {key}: not a replica state: {exc}") from None
-                out.append(ReplicaState(key.removeprefix(base), enabled, at))
+                out.append(ReplicaState(key.removeprefix(base), enabled, at, instance))
             return out
 
         return self._call("fleet_states", go)

@@ -13,6 +13,7 @@ raise out of the tick: unreachable before a restart is a hold, after it a counte
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -26,20 +27,37 @@ from controller.state import ControllerState
 log = structlog.get_logger("sd_controller")
 
 
-class RestartGate:
-    """One replica's side of the fleet's restart slots (``replica_id`` names it to the others)."""
+HOLDER_SEP = "#"  # a slot's holder: <replica id>#<instance>
 
-    def __init__(self, coordinator: Coordinator, replica_id: str, backend: str = "none") -> None:
+
+class RestartGate:
+    """One replica's side of the fleet's restart slots (``replica_id`` names it to the others).
+
+    A slot is held by this *process* (``holder``: the replica id and an ``instance`` token made
+    at start), not by the replica id alone: two controllers given one replica id (a shared env
+    file) each took "their own" slot and restarted together, past ``max_unavailable``. A
+    restarted controller therefore waits for its predecessor's slot to expire (the TTL) like
+    anyone else. The same token on the published state tells such twins apart: each sees the
+    other's writes on its own key, counted in ``sd_controller_duplicate_replica_id``.
+    """
+
+    def __init__(self, coordinator: Coordinator, replica_id: str, backend: str = "none", instance: str = "") -> None:
         self.coordinator = coordinator
         self.replica_id = replica_id
         self.backend = backend
+        self.instance = instance or uuid.uuid4().hex[:12]
+        self.holder = f"{replica_id}{HOLDER_SEP}{self.instance}"
         self.slot: Slot | None = None
+        self._published = False  # this process has written its state at least once
+        self._twin: str | None = None  # the other instance seen writing this replica's state
+        self._states: list[ReplicaState] | None = None  # read this tick (fleet_view), for settle
         self._changes: dict[str, tuple[float, float]] = {}  # replica -> (its published_at, when seen here)
         self._waits: Counter | None = None
         self._errors: Counter | None = None
         self._held: Gauge | None = None
         self._fleet_sd: Gauge | None = None
         self._fleet_target: Gauge | None = None
+        self._duplicate: Gauge | None = None
 
     def register(self, registry: CollectorRegistry) -> None:
         """Put the gate's metrics on the controller's registry."""
@@ -64,6 +82,12 @@ class RestartGate:
         self._fleet_target = Gauge(
             "sd_controller_fleet_sd_target", "Replicas the fleet's plan wants on SD now (fleet.py)", registry=registry
         )
+        self._duplicate = Gauge(
+            "sd_controller_duplicate_replica_id",
+            "Another controller process publishes under this replica id (a misconfiguration)",
+            registry=registry,
+        )
+        self._duplicate.set(0)
 
     def record_plan(self, sd_now: int, sd_target: int) -> None:
         """Export the fleet's plan (k of N on SD now, and where it goes)."""
@@ -101,7 +125,7 @@ class RestartGate:
                 )
         if self.slot is None:
             try:
-                self.slot = self.coordinator.acquire(self.replica_id)
+                self.slot = self.coordinator.acquire(self.holder)
             except CoordinationError as exc:
                 self._count_error("acquire", exc)
                 return self._hold(
@@ -117,7 +141,7 @@ class RestartGate:
                     f"{decision.action.value} held: all {self.coordinator.max_unavailable} restart slot(s)"
                     f" taken ({', '.join(holders) or '?'})",
                 )
-            log.info("slot_acquired", slot=self.slot.key, replica_id=self.replica_id)
+            log.info("slot_acquired", slot=self.slot.key, replica_id=self.replica_id, instance=self.instance)
             self._set_held()
         return decision
 
@@ -137,6 +161,7 @@ class RestartGate:
         except CoordinationError as exc:
             self._count_error("fleet_states", exc)
             return None
+        self._states = states
         enabled = {s.replica_id: s.enabled for s in states}
         changed = {}
         for st in states:
@@ -148,9 +173,35 @@ class RestartGate:
         enabled[self.replica_id] = applied_enabled
         return enabled, changed
 
+    def _check_twin(self) -> None:
+        """Another process wrote this replica's state since this one last did: a twin."""
+        states, self._states = self._states, None
+        if states is None:  # no fleet plan read them this tick
+            try:
+                states = self.coordinator.fleet_states()
+            except CoordinationError as exc:
+                self._count_error("fleet_states", exc)
+                return
+        mine = next((st for st in states if st.replica_id == self.replica_id), None)
+        # Before this process's first write the key may still hold its predecessor's (a
+        # restart), and a state without a token comes from an older controller: neither counts.
+        twin = mine.instance if mine is not None and mine.instance not in ("", self.instance) else None
+        if twin is not None and self._published and twin != self._twin:
+            log.error(
+                "duplicate_replica_id",
+                replica_id=self.replica_id,
+                instance=self.instance,
+                other_instance=twin,
+                detail="two controllers publish as one replica; give each its own replica_id (the pod's name)",
+            )
+        if self._published:
+            self._twin = twin
+            if self._duplicate is not None:
+                self._duplicate.set(1 if twin is not None else 0)
+
     def _holders(self) -> list[str]:
         try:
-            return self.coordinator.holders()
+            return [h.split(HOLDER_SEP, 1)[0] for h in self.coordinator.holders()]
         except CoordinationError:
             return []
 
@@ -172,10 +223,11 @@ class RestartGate:
             elif state.pending is not None:
                 # A restart in flight without a slot (this controller restarted mid-change):
                 # take one if it is free, so the fleet counts this replica as restarting.
-                self.slot = self.coordinator.acquire(self.replica_id)
+                self.slot = self.coordinator.acquire(self.holder)
         except CoordinationError as exc:
             self._count_error("settle", exc)
         self._set_held()
+        self._check_twin()
         self._publish(state)
 
     def _publish(self, state: ControllerState) -> None:
@@ -183,6 +235,9 @@ class RestartGate:
         # (a lease), so a replica whose controller is gone leaves the fleet, and a state the
         # backend lost (keys wiped, a restored snapshot) is back within a tick.
         try:
-            self.coordinator.publish(ReplicaState(self.replica_id, state.applied_enabled, state.last_change_at or 0.0))
+            self.coordinator.publish(
+                ReplicaState(self.replica_id, state.applied_enabled, state.last_change_at or 0.0, self.instance)
+            )
+            self._published = True
         except CoordinationError as exc:
             self._count_error("publish", exc)

@@ -29,6 +29,7 @@ from controller.coordination.base import CoordinationError, ReplicaState, Slot
 
 ENABLED_ANNOTATION = "sd-controller.io/applied-enabled"
 PUBLISHED_ANNOTATION = "sd-controller.io/published-at"
+INSTANCE_ANNOTATION = "sd-controller.io/instance"
 
 
 def _name(prefix: str) -> str:
@@ -197,7 +198,11 @@ class KubernetesLeaseCoordinator:
 
     def publish(self, state: ReplicaState) -> None:
         name = f"{self.prefix}-replica-{_name(state.replica_id)}"
-        ann = {ENABLED_ANNOTATION: str(state.enabled).lower(), PUBLISHED_ANNOTATION: str(state.published_at)}
+        ann = {
+            ENABLED_ANNOTATION: str(state.enabled).lower(),
+            PUBLISHED_ANNOTATION: str(state.published_at),
+            INSTANCE_ANNOTATION: state.instance,
+        }
         lease = self._read(name)
         if lease is None:
             self._write(
@@ -245,5 +250,9 @@ class KubernetesLeaseCoordinator:
                     f"kubernetes lease {self.namespace}/{lease.metadata.name}: annotation {PUBLISHED_ANNOTATION} is not a number"
                 ) from None
             enabled = {"true": True, "false": False, "none": None}[raw]
-            out.append(ReplicaState(lease.spec.holder_identity or lease.metadata.name, enabled, at))
+            out.append(
+                ReplicaState(
+                    lease.spec.holder_identity or lease.metadata.name, enabled, at, ann.get(INSTANCE_ANNOTATION, "")
+                )
+            )
         return out

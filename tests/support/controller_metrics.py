@@ -56,6 +56,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "sd_controller_restart_slot_waits": ("counter", ("reason",), "ticks a restart waited for a slot"),
     "sd_controller_fleet_sd_replicas": ("gauge", (), "replicas of the fleet running SD"),
     "sd_controller_fleet_sd_target": ("gauge", (), "replicas the fleet's plan wants on SD"),
+    "sd_controller_duplicate_replica_id": ("gauge", (), "another process publishes under this replica id"),
 }
 STATES = ("enabled", "disabled", "pending", "failed", "override")
 
@@ -120,6 +121,7 @@ class FakeControllerExporter:
             "sd_controller_max_unavailable": 1,
             "sd_controller_fleet_sd_replicas": 0,
             "sd_controller_fleet_sd_target": 0,
+            "sd_controller_duplicate_replica_id": 0,
         }
         for name, v in defaults.items():
             self.set(name, v)
