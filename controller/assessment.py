@@ -24,7 +24,7 @@ from controller.model import (
     predict_points,
     throughput_at_batch,
 )
-from controller.observation import Observation
+from controller.observation import Observation, last_restart
 from controller.risk import (
     CYCLE_WINDOW_S,
     RISE_FIT_S,
@@ -214,9 +214,10 @@ def assess(
         soon = forecast_peak(state.rate_history, now, lookahead) or 0.0
         trend_rate = max(rate, soon)
         # The peak is the highest completion rate between scrapes: for a long window after a
-        # restart it is the restart's own backlog draining, not load.
-        since_change = now - state.last_change_at if state.last_change_at is not None else math.inf
-        peak = (obs.arrival_rate_peak_rps or 0.0) if since_change >= settings.long_window_s else 0.0
+        # restart it is the restart's own backlog draining, not load. Any restart: a crash or
+        # an operator's restarts vLLM without a change of ours (vLLM's counters say when).
+        since_restart = now - last_restart(obs, state.last_change_at)
+        peak = (obs.arrival_rate_peak_rps or 0.0) if since_restart >= settings.long_window_s else 0.0
         eval_rate = max(trend_rate, ahead, peak)
         # Whether a state is overloaded (an infinite gain for leaving it, which neither the
         # load's age nor the restart's price can hold back) is judged on the load that lasts:

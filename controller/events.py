@@ -17,7 +17,7 @@ class EventKind(StrEnum):
     CHANGE_FAILED = "change_failed"  # detail: timeout | hook_reported_failure | hook_refused
     CHANGE_REQUESTED = "change_requested"
     CHANGE_UNCERTAIN = "change_uncertain"  # the request timed out after it was sent
-    CHANGE_SUPERSEDED = "change_superseded"  # detail: on | off (ours; a later switch replaced it)
+    CHANGE_SUPERSEDED = "change_superseded"  # detail: on | off (ours, run or rolled back; a later switch replaced it)
     ACCEPTANCE_FLOOR_TRIPPED = "acceptance_floor_tripped"
 
 

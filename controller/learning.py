@@ -36,7 +36,7 @@ from controller.errors import ConfigError
 from controller.evidence import EvidenceRecord, Excluded, FileEvidenceStore, MemoryEvidenceStore
 from controller.hooks.base import HookPhase, HookStatus
 from controller.model import LatencyModel, curves, mode_curve_for, predict_point
-from controller.observation import Observation, steady_load
+from controller.observation import Observation, last_restart, steady_load
 from controller.settings import Settings
 from controller.state import ControllerState
 
@@ -309,7 +309,9 @@ class Learner:
             or now < state.retry_not_before
         ):
             return Excluded.NOT_READY
-        if state.last_change_at is not None and now - state.last_change_at < s.evidence_settle_s:
+        # After any restart (a crash's too: its latency window holds the requests that waited
+        # through it), not only after a change of ours.
+        if now - last_restart(obs, state.last_change_at) < s.evidence_settle_s:
             return Excluded.SETTLING
         if obs.mean_e2e_latency_s is None or obs.mean_e2e_latency_s <= 0:
             return Excluded.NO_LATENCY

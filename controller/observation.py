@@ -72,6 +72,9 @@ class Observation:
     # vLLM's enable_prefix_caching on vllm:cache_config_info (None: not exported): whether a
     # preempted request finds its blocks cached; the calibration records what it was benched with.
     prefix_caching: bool | None = None
+    # When vLLM's counters started (``vllm:request_success_created``, its clock): its last
+    # restart, ours or not (a crash, an operator, a rescheduled pod). None: not exported.
+    server_started_at: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,6 +95,7 @@ class Observation:
             "fleet_arrival_rate_long_rps",
             "running_context_tokens",
             "cached_prompt_tokens",
+            "server_started_at",
         ):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):
@@ -153,3 +157,10 @@ def load_fell(
     if rate_rps is None or long_rps is None or long_rps <= 0:
         return False
     return long_rps - rate_rps > _band(long_rps, window_s, tolerance)
+
+
+def last_restart(obs: Observation, last_change_at: float | None) -> float:
+    """When the server last restarted: our last change or its counters' start, whichever is
+    later (-inf when neither is known). Both a change of ours and a crash leave a backlog that
+    drains for minutes, and a latency window that holds the restart."""
+    return max(t for t in (last_change_at, obs.server_started_at, -math.inf) if t is not None)

@@ -154,12 +154,14 @@ def _confirm(state: ControllerState, draft_length: int | None, now: float) -> tu
     return state, Event(EventKind.CHANGE_CONFIRMED, "on" if p.enabled else "off")
 
 
-def _overtaken(p: PendingChange, status: HookStatus) -> bool:
-    """The hook serves, not our setting, after at least two restarts since our request, the
-    last a successful switch (the launcher clears ``last_error`` only then; a rollback reports
-    ``failed`` and a crash restart keeps its error): ours ran, and a later switch replaced it.
-    A lost request (a restarted launcher counts from 0) is not this: it times out."""
-    return (
+def _restarts_past(p: PendingChange, status: HookStatus) -> int | None:
+    """How many restarts the hook made since our request, where that says a later switch
+    replaced ours: it serves the other setting, ``ready``, with no ``last_error`` (the launcher
+    clears it only on a switch that worked; a rollback reports ``failed``, a crash restart keeps
+    its error), two restarts or more on. Exactly two: ours, then theirs. More: ours may have
+    rolled back (two restarts) before theirs. None otherwise, the pending timeout's case: a
+    request still in flight, a crash restart, a hook that keeps no count."""
+    if (
         status.phase is HookPhase.READY
         and status.applied_enabled is not None
         and status.applied_enabled != p.enabled
@@ -167,7 +169,9 @@ def _overtaken(p: PendingChange, status: HookStatus) -> bool:
         and status.restart_count is not None
         and p.restarts_before is not None
         and status.restart_count >= p.restarts_before + 2
-    )
+    ):
+        return status.restart_count - p.restarts_before
+    return None
 
 
 def _adopt(state: ControllerState, status: HookStatus, now: float) -> tuple[ControllerState, Event]:
@@ -194,7 +198,9 @@ def reconcile(
         )
     p = state.pending
     if p is not None:
-        if status.phase is HookPhase.READY and status.applied_enabled == p.enabled:
+        # Ours serves: confirmed. "failed" with ours applied is a later switch (someone else's)
+        # that rolled back to ours; our own rollback leaves the other setting.
+        if status.phase in (HookPhase.READY, HookPhase.FAILED) and status.applied_enabled == p.enabled:
             state, ev = _confirm(state, status.applied_draft_length, now)
             events.append(ev)
         elif status.phase is HookPhase.FAILED:
@@ -202,12 +208,20 @@ def reconcile(
             events.append(ev)
             if status.applied_enabled is not None:
                 state = dataclasses.replace(state, applied_enabled=status.applied_enabled)
-        elif _overtaken(p, status):
-            # Our switch ran, then another one (an operator's, between two ticks): that one
-            # serves now. Waiting on would time out a change that is gone, raise a false
-            # failure, and give the operator's fresh restart a backoff instead of the dwell.
-            events.append(Event(EventKind.CHANGE_SUPERSEDED, "on" if p.enabled else "off"))
-            state = dataclasses.replace(state, pending=None)
+        elif (past := _restarts_past(p, status)) is not None:
+            # Another switch (an operator's, between two ticks) followed ours and serves now.
+            # Waiting on would time out a change that is gone, raise a false failure, and give
+            # the operator's fresh restart a backoff instead of the dwell. Ours is confirmed
+            # where the count says it ran; otherwise it is only superseded (no failure counted,
+            # none forgotten).
+            if past == 2:
+                state, ev = _confirm(state, None, now)
+            else:
+                state, ev = (
+                    dataclasses.replace(state, pending=None),
+                    Event(EventKind.CHANGE_SUPERSEDED, "on" if p.enabled else "off"),
+                )
+            events.append(ev)
             state, adopted = _adopt(state, status, now)
             events.append(adopted)
         elif now - p.issued_at > settings.pending_timeout_s:

@@ -21,6 +21,7 @@ from controller.admin_api import SdConfig
 from controller.hooks.base import ChangeRequest
 from controller.hooks.http import launcher_hook
 from controller.launcher.admin import AdminServer, token_matches
+from controller.launcher.child import VllmChild
 from controller.launcher.profile import parse_profile, vllm_url
 from controller.launcher.state import load_state
 from controller.launcher.supervisor import Supervisor, SupervisorOptions, backoff_s
@@ -60,7 +61,15 @@ class Launcher:
             **options,
         }
         self.options = SupervisorOptions(**opts)
-        self.supervisor = Supervisor(self.profile, self.profile.default_config, self.options)
+        self.fail_next_start = False  # one shot: the next start fails as a missing binary does
+
+        def start_child(argv: list[str]) -> VllmChild:
+            if self.fail_next_start:
+                self.fail_next_start = False
+                raise OSError(2, "No such file or directory")
+            return VllmChild(argv)
+
+        self.supervisor = Supervisor(self.profile, self.profile.default_config, self.options, start_child=start_child)
         self.server = AdminServer(("127.0.0.1", 0), self.supervisor, token)
         self.server.start()
         self.result: dict[str, int] = {}
@@ -375,8 +384,24 @@ def test_an_operators_switch_right_after_the_controllers_replaces_its_lock(start
     assert launcher.post({"enabled": True, "requested_by": "operator"}).status_code == 202
     launcher.wait_phase("ready")
     state, events = reconcile(state, hook.status(), Settings(), 120.0)
-    assert tuple(map(str, events)) == ("change_superseded:off", "external_change:on")
+    assert tuple(map(str, events)) == ("change_confirmed:off", "external_change:on")
     assert state.pending is None and state.applied_enabled is True and state.last_change_at == 120.0
+
+
+def test_an_operators_switch_after_the_controllers_rolled_back_replaces_its_lock_unconfirmed(start_launcher):
+    launcher = start_launcher()
+    launcher.wait_phase("ready")
+    hook = launcher_hook(launcher.server.url, TOKEN, timeout_s=5, retries=0)
+    disable = Decision(Action.DISABLE, Reason.SPEEDUP_LOW, "x", False, None, ControllerPhase.ENABLED)
+    state = begin_request(ControllerState(applied_enabled=True), disable, 0.0, hook.status().restart_count)
+    launcher.fail_next_start = True
+    hook.request(ChangeRequest(enabled=False, num_speculative_tokens=None, reason="x"))
+    assert launcher.wait_phase("failed")["restart_count"] == 2  # the attempt and the rollback
+    assert launcher.post({"enabled": True, "num_speculative_tokens": 2}).status_code == 202
+    launcher.wait_phase("ready")
+    state, events = reconcile(state, hook.status(), Settings(), 120.0)
+    assert tuple(map(str, events)) == ("change_superseded:off", "external_change:on")
+    assert state.pending is None and state.applied_draft_length == 2 and state.last_change_at == 120.0
 
 
 def test_crash_is_restarted_with_the_applied_config(start_launcher):

@@ -174,7 +174,7 @@ def test_an_operators_switch_right_after_ours_is_adopted_with_its_dwell():
     hook.request(ChangeRequest(enabled=True, num_speculative_tokens=4, reason="operator"))
     clock.t += 90
     res = run_ticks(ctl, clock, vllm, rate=16, n=1)
-    assert tuple(map(str, res[0].events)) == ("change_superseded:off", "external_change:on")
+    assert tuple(map(str, res[0].events)) == ("change_confirmed:off", "external_change:on")
     assert ctl.state.pending is None and ctl.state.applied_enabled is True
     assert ctl.state.last_change_at == res[0].now and ctl.state.consecutive_failures == 0
     # The operator's restart gets the dwell, not a timeout ten minutes on and its backoff.
@@ -182,6 +182,8 @@ def test_an_operators_switch_right_after_ours_is_adopted_with_its_dwell():
     assert {r.decision.reason.value for r in res} == {"dwell"}
     assert not any(str(e).startswith("change_failed") for r in res for e in r.events)
     assert reg.get_sample_value("sd_controller_change_failures_total") == 0
+    assert reg.get_sample_value("sd_toggles_total", {"direction": "off"}) == 1  # ours ran
+    assert reg.get_sample_value("sd_toggles_total", {"direction": "on"}) == 1
     assert len(hook.requests) == 2  # ours and the operator's
 
 

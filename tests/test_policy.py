@@ -161,22 +161,18 @@ def test_hook_reported_failure_keeps_old_state():
 
 
 # Our disable (requested with the launcher at 5 restarts), then what its status says a tick later.
+SWITCHED_BACK = ("change_confirmed:off", "external_change:on")
+REPLACED = ("change_superseded:off", "external_change:on")
+
+
 @pytest.mark.parametrize(
     ("restarts_before", "status", "events", "pending"),
     [
         # Ours ran (6) and an operator's switch back on ran after it (7): that one serves.
-        (
-            5,
-            HookStatus(HookPhase.READY, applied_enabled=True, restart_count=7),
-            ("change_superseded:off", "external_change:on"),
-            False,
-        ),
-        (
-            5,
-            HookStatus(HookPhase.READY, applied_enabled=True, restart_count=9),
-            ("change_superseded:off", "external_change:on"),
-            False,
-        ),
+        (5, HookStatus(HookPhase.READY, applied_enabled=True, restart_count=7), SWITCHED_BACK, False),
+        # Ours may have rolled back (6, 7) before the operator's (8): replaced, not confirmed.
+        (5, HookStatus(HookPhase.READY, applied_enabled=True, restart_count=8), REPLACED, False),
+        (5, HookStatus(HookPhase.READY, applied_enabled=True, restart_count=9), REPLACED, False),
         # One restart only: ours has not run yet (a launcher that lost it): the timeout decides.
         (5, HookStatus(HookPhase.READY, applied_enabled=True, restart_count=6), (), True),
         # The last restart was a crash restart (its error stays), not a switch.
@@ -188,17 +184,32 @@ def test_hook_reported_failure_keeps_old_state():
         # Still switching, or ours serves: not overtaken.
         (5, HookStatus(HookPhase.RESTARTING, applied_enabled=True, restart_count=7), (), True),
         (5, HookStatus(HookPhase.READY, applied_enabled=False, restart_count=7), ("change_confirmed:off",), False),
+        # Ours ran (6), the operator's failed and rolled back to ours (7, 8): ours serves.
+        (
+            5,
+            HookStatus(HookPhase.FAILED, applied_enabled=False, restart_count=8, last_error="not ready"),
+            ("change_confirmed:off",),
+            False,
+        ),
+        # Ours rolled back: the other setting serves, a failure.
+        (
+            5,
+            HookStatus(HookPhase.FAILED, applied_enabled=True, restart_count=7, last_error="not ready"),
+            ("change_failed:hook_reported_failure",),
+            False,
+        ),
     ],
 )
 def test_a_switch_after_ours_replaces_the_lock_with_an_external_change(restarts_before, status, events, pending):
-    state = on_state(pending=PendingChange(False, None, T0, "x", restarts_before))
+    state = on_state(pending=PendingChange(False, None, T0, "x", restarts_before), consecutive_failures=1)
     state, ev = reconcile(state, status, S, T0 + 120)
     assert tuple(map(str, ev)) == events
     assert (state.pending is not None) is pending
-    if events and events[0] == "change_superseded:off":
-        # The operator's restart gets the dwell, not a failure's backoff.
+    if events in (SWITCHED_BACK, REPLACED):
+        # The operator's restart gets the dwell, not a failure's backoff; a failure is
+        # forgotten only where ours is known to have worked.
         assert state.applied_enabled is True and state.last_change_at == T0 + 120
-        assert state.consecutive_failures == 0 and state.retry_not_before is None
+        assert state.consecutive_failures == (0 if events == SWITCHED_BACK else 1)
         d, _ = decide(S, state, obs(), assessment(0.5), AUTO, T0 + 180)
         assert (d.action, d.reason) == (Action.NONE, Reason.DWELL)
 

@@ -107,6 +107,9 @@ DEFAULT_QUERIES: dict[str, str] = {
     "waiting": "sum(vllm:num_requests_waiting{$SEL})",
     "sd_present": "count(vllm:spec_decode_num_drafts_total{$SEL})",
     "sample_age": "time() - max(timestamp(vllm:num_requests_running{$SEL}))",
+    # When the newest of the servers started counting (its oldest series: one created later
+    # is a label seen late, not a restart): a restart's backlog is no load (assessment.py).
+    "server_started": "max(min by (instance) (vllm:request_success_created{$SEL}))",
     # The running batch's KV context (sources/kv_context.py): per engine, over the rate window.
     "kv_cache_usage": "avg_over_time(vllm:kv_cache_usage_perc{$SEL}[$W])",
     "running_mean": "avg_over_time(vllm:num_requests_running{$SEL}[$W])",
@@ -410,6 +413,7 @@ class PrometheusSource:
             arrival_peak = self._check_rate("arrival_rate_peak", arrival_peak, self.rate_window_s, deriv=False)
             cached = self._cached_prompt_tokens(now)
             config = self._cache_config(now)
+            started = self._value("server_started", now)
             return Observation(
                 time_s=now,
                 arrival_rate_rps=arrival,
@@ -430,6 +434,7 @@ class PrometheusSource:
                 running_context_tokens=self._running_context(now, cached, config),
                 cached_prompt_tokens=cached,
                 prefix_caching=None if config is None else all_prefix_caching([prefix_caching(lb) for lb, _ in config]),
+                server_started_at=started if started is not None and math.isfinite(started) else None,
             )
         except QueryFailed as exc:
             return ObservationFailure(exc.reason, exc.detail)

@@ -713,6 +713,7 @@ class VllmMetricsSource:
                 waiting=cur.gauges.get(WAITING),
                 mean_e2e_latency_s=mean_e2e,
                 sd_series_present=cur.sd_present,
+                server_started_at=_started(cur, SUCCESS),
                 sample_age_s=0.0,
                 running_context_tokens=self._running_context(now),
                 cached_prompt_tokens=self._cached_prompt_tokens(self._window(now, self.rate_window_s)),
