@@ -359,6 +359,19 @@ def test_the_completion_peak_of_a_restarts_own_drain_is_not_load(changed_ago, co
     assert a.projected_rate_rps == (15.0 if counts else 10.0)
 
 
+@pytest.mark.parametrize(("started_ago", "counts"), [(60.0, False), (899.0, False), (900.0, True), (None, True)])
+def test_the_completion_peak_of_a_crashs_drain_is_not_load_either(started_ago, counts):
+    """A crash (or an operator's restart) sets no change of ours: vLLM's counters say when
+    the server started, and its backlog's drain is no more load than after our own switch."""
+    state = ControllerState(applied_enabled=False, last_change_at=T - 86_400.0)
+    obs = Observation(
+        T, 10.0, arrival_rate_long_rps=10.0, arrival_rate_peak_rps=15.0, mean_prompt_tokens=512, mean_gen_tokens=256,
+        server_started_at=None if started_ago is None else T - started_ago,
+    )  # fmt: skip
+    a = assess(MODEL, S, state, obs, False, None, T)
+    assert a.projected_rate_rps == (15.0 if counts else 10.0)
+
+
 @pytest.mark.parametrize(
     ("rate", "slope", "hours", "on", "early"),
     [

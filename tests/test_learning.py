@@ -176,6 +176,21 @@ def test_ticks_around_a_restart_are_recorded_but_do_not_teach(tmp_path):
     assert len(records) == 3 + 1 + 9 + 2
 
 
+def test_ticks_after_a_crash_restart_do_not_teach_either(tmp_path):
+    """A crash sets no change of ours: vLLM's counters say when it started, and the windows
+    after it hold the requests that waited through it."""
+    truth = scaled_model(BASE, (1.0, 1.4, 1.0, 1.0))
+    ctl, now = controller(SETTINGS, truth, tmp_path)
+    run(ctl, now, 3)
+    before = ctl.learner.posterior
+    observe, crashed_at = ctl.source.observe, now[0]
+    ctl.source.observe = lambda t: dataclasses.replace(observe(t), server_started_at=crashed_at)
+    results = run(ctl, now, 9)  # 540 s < evidence_settle_s
+    assert {x.learned.record.excluded for x in results} == {Excluded.SETTLING}
+    assert ctl.learner.posterior == before
+    assert run(ctl, now, 2)[-1].learned.record.excluded is None
+
+
 def test_sd_on_evidence_learns_through_all_four_terms(tmp_path):
     truth = scaled_model(BASE, (1.0, 1.3, 1.0, 1.3))
     ctl, now = controller(SETTINGS, truth, tmp_path, enabled=True)

@@ -69,13 +69,17 @@ def test_observes_rates_acceptance_and_reset(fake_vllm, prometheus_server):
         assert o.sd_series_present is True
         assert o.sample_age_s < 5
         assert o.running_context_tokens is None  # no KV usage exported (old vLLM, the simulator)
+        started = o.server_started_at
+        assert started is not None and started < time.time() - 10
         # A restart without SD: counters reset, SD series vanish; rates stay sane.
+        restarted = time.time()
         fake_vllm.restart(sd_enabled=False)
         time.sleep(3)
         o = source(prom).observe(time.time())
         assert isinstance(o, Observation)
         assert 0 <= o.arrival_rate_rps <= 20
         assert o.sd_series_present is False and o.acceptance_rate is None
+        assert o.server_started_at == pytest.approx(restarted, abs=1.0)  # vLLM's counters say when
 
 
 def test_failures_are_named(fake_vllm, prometheus_server):

@@ -99,11 +99,14 @@ def test_reset_detected_by_created_timestamp_even_if_counters_grew():
         src = VllmMetricsSource(url=fake.metrics_url)
         advance_sd(fake, n=5)
         src.observe(clock())
+        started = clock()
         clock.t += 60
         fake.restart(sd_enabled=True)
         advance_sd(fake, n=50)  # more than before the restart: only _created tells
         o = src.observe(clock())
         assert o.arrival_rate_rps == pytest.approx(50 / 60)
+        # When the server (re)started, a crash's as well as a switch's: _created says.
+        assert started < o.server_started_at == pytest.approx(clock(), abs=1.0)
 
 
 @pytest.mark.parametrize(
