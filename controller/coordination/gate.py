@@ -28,6 +28,7 @@ log = structlog.get_logger("sd_controller")
 
 
 HOLDER_SEP = "#"  # a slot's holder: <replica id>#<instance>
+TWIN_CHECK_TICKS = 5  # without a fleet plan (which reads the states anyway), look for a twin this often
 
 
 class RestartGate:
@@ -51,6 +52,7 @@ class RestartGate:
         self._published = False  # this process has written its state at least once
         self._twin: str | None = None  # the other instance seen writing this replica's state
         self._states: list[ReplicaState] | None = None  # read this tick (fleet_view), for settle
+        self._ticks = 0
         self._changes: dict[str, tuple[float, float]] = {}  # replica -> (its published_at, when seen here)
         self._waits: Counter | None = None
         self._errors: Counter | None = None
@@ -176,7 +178,10 @@ class RestartGate:
     def _check_twin(self) -> None:
         """Another process wrote this replica's state since this one last did: a twin."""
         states, self._states = self._states, None
-        if states is None:  # no fleet plan read them this tick
+        self._ticks += 1
+        if states is None:  # no fleet plan read them this tick: one read every few ticks
+            if self._ticks % TWIN_CHECK_TICKS != 2:  # the second tick: after this one's first write
+                return
             try:
                 states = self.coordinator.fleet_states()
             except CoordinationError as exc:
