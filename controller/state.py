@@ -103,7 +103,7 @@ class ControllerState:
                     raise ValueError(f"{name} must be true, false or null")
                 values[name] = value
             elif name in ("applied_draft_length", "consecutive_failures", "sd_harm_ticks", "queue_growth_ticks"):
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                if value is not None and not _whole(value, 0):
                     raise ValueError(f"{name} must be a non-negative integer")
                 if name == "applied_draft_length" and value is not None and value > MAX_SPEC_TOKENS:
                     raise ValueError(f"applied_draft_length {value} is past {MAX_SPEC_TOKENS}")
@@ -150,6 +150,11 @@ def clamp_to_clock(state: ControllerState, now: float, max_backoff_s: float) -> 
     return dataclasses.replace(state, **changes), tuple(sorted(changes))
 
 
+def _whole(v: Any, least: int) -> bool:
+    """An integer of at least ``least`` (JSON's true and false are not numbers here)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -183,12 +188,8 @@ def _pending(value: Any) -> PendingChange | None:
         raise ValueError(f"pending lacks {exc.args[0]}") from None
     if not isinstance(enabled, bool) or not _finite(issued_at):
         raise ValueError("pending.enabled must be a boolean and pending.issued_at a number")
-    if draft_length is not None and (
-        not isinstance(draft_length, int) or isinstance(draft_length, bool) or draft_length < 1
-    ):
+    if draft_length is not None and not _whole(draft_length, 1):
         raise ValueError("pending.draft_length must be a positive integer or null")
-    if restarts_before is not None and (
-        not isinstance(restarts_before, int) or isinstance(restarts_before, bool) or restarts_before < 0
-    ):
+    if restarts_before is not None and not _whole(restarts_before, 0):
         raise ValueError("pending.restarts_before must be a non-negative integer or null")
     return PendingChange(enabled, draft_length, float(issued_at), str(reason), restarts_before)
